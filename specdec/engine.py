@@ -1,0 +1,156 @@
+"""The engine interface: one call, many rows, for the draft (propose) and the target (verify).
+
+Both engine models take the same tensors and return the same tensors; only the work differs.
+- draft:  append each row's new tokens to its slot, then propose `num_steps` tokens one at a
+          time (all k steps inside one call: one Triton call per draft step would eat the gain).
+- target: append each row's new tokens (pending tokens + the draft's proposals) and return,
+          for the row's last `num_steps` positions, the target argmax (greedy rows) or the
+          target distribution (sampled rows).
+Probabilities cross the model boundary only for sampled rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from specdec.llama import LlamaEngine
+from specdec.sampling import RowSampling, greedy_tokens, probs_from_logits, sample_token
+
+
+@dataclass
+class EngineBatch:
+    input_ids: np.ndarray  # (N,) int64, every row's new tokens, packed
+    input_lengths: np.ndarray  # (B,) int32
+    slot_ids: np.ndarray  # (B,) int32
+    cache_lengths: np.ndarray  # (B,) int32, valid positions already in the slot
+    num_steps: np.ndarray  # (B,) int32, draft: tokens to propose; target: positions to return
+    temperature: np.ndarray  # (B,) float32
+    top_k: np.ndarray  # (B,) int32
+    top_p: np.ndarray  # (B,) float32
+    end_ids: np.ndarray  # (B,) int32, -1 = none
+    min_tokens_left: np.ndarray  # (B,) int32, the end token is blocked at positions below this
+    seeds: np.ndarray  # (B,) int64, the draft's sampling seed for this call
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineBatch:
+        missing = [f.name for f in fields(cls) if f.name not in arrays]
+        if missing:
+            raise ValueError(f"engine call misses tensors {missing}")
+        return cls(**{f.name: np.asarray(arrays[f.name]).reshape(-1) for f in fields(cls)})
+
+    def rows_sampling(self, rows: np.ndarray, positions: np.ndarray) -> RowSampling:
+        """Sampling parameters for logits rows taken from batch rows `rows` at `positions`."""
+        return RowSampling(
+            temperature=torch.from_numpy(self.temperature[rows].astype(np.float32)),
+            top_k=torch.from_numpy(self.top_k[rows].astype(np.int64)),
+            top_p=torch.from_numpy(self.top_p[rows].astype(np.float32)),
+            end_id=torch.from_numpy(self.end_ids[rows].astype(np.int64)),
+            block_end=torch.from_numpy(positions < self.min_tokens_left[rows]),
+        )
+
+
+@dataclass
+class EngineResult:
+    token_ids: np.ndarray  # (B, max num_steps) int64, -1 where a row has no token
+    probs: np.ndarray  # (P, V) float32, sampled rows' distributions, rows in order
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {"token_ids": self.token_ids, "probs": self.probs}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineResult:
+        return cls(token_ids=arrays["token_ids"], probs=arrays["probs"])
+
+
+def _empty_result(batch: EngineBatch, vocab_size: int) -> EngineResult:
+    width = int(batch.num_steps.max()) if batch.num_steps.size else 0
+    return EngineResult(
+        token_ids=np.full((len(batch.slot_ids), width), -1, dtype=np.int64),
+        probs=np.zeros((0, vocab_size), dtype=np.float32),
+    )
+
+
+def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
+    """Appends the rows' tokens and scores their last num_steps positions."""
+    result = _empty_result(batch, engine.config.vocab_size)
+    logits = engine.forward(
+        torch.from_numpy(batch.input_ids.astype(np.int64)),
+        batch.input_lengths.tolist(),
+        batch.slot_ids.tolist(),
+        batch.cache_lengths.tolist(),
+        batch.num_steps.tolist(),
+    )  # (sum num_steps, V)
+    rows = np.repeat(np.arange(len(batch.slot_ids)), batch.num_steps)
+    positions = np.concatenate([np.arange(n) for n in batch.num_steps])
+    sampling = batch.rows_sampling(rows, positions)
+    greedy = sampling.temperature == 0
+    if bool(greedy.any()):
+        picked = torch.nonzero(greedy).flatten()
+        tokens = greedy_tokens(logits[picked], sampling.select(picked)).numpy()
+        result.token_ids[rows[picked.numpy()], positions[picked.numpy()]] = tokens
+    if bool((~greedy).any()):
+        picked = torch.nonzero(~greedy).flatten()
+        probs = probs_from_logits(logits[picked], sampling.select(picked))
+        result.probs = probs.numpy()
+    return result
+
+
+def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
+    """Appends the rows' tokens, then proposes num_steps tokens per row, one step at a time."""
+    result = _empty_result(batch, engine.config.vocab_size)
+    num_rows = len(batch.slot_ids)
+    generators = [torch.Generator().manual_seed(int(s)) for s in batch.seeds]
+    sampled_probs: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
+    cache_lengths = (batch.cache_lengths + batch.input_lengths).astype(np.int64)
+    rows = np.arange(num_rows)
+    logits = engine.forward(
+        torch.from_numpy(batch.input_ids.astype(np.int64)),
+        batch.input_lengths.tolist(),
+        batch.slot_ids.tolist(),
+        batch.cache_lengths.tolist(),
+        [1] * num_rows,
+    )  # (B, V)
+    for step in range(int(batch.num_steps.max())):
+        sampling = batch.rows_sampling(rows, np.full(len(rows), step))
+        tokens = greedy_tokens(logits, sampling).numpy()
+        for i in np.nonzero(batch.temperature[rows] > 0)[0]:
+            probs = probs_from_logits(logits[i : i + 1], sampling.select(torch.tensor([i])))[0]
+            tokens[i] = sample_token(probs, generators[rows[i]])
+            sampled_probs[rows[i]].append(probs)
+        result.token_ids[rows, step] = tokens
+        more = batch.num_steps[rows] > step + 1
+        rows, tokens = rows[more], tokens[more]
+        if not len(rows):
+            break
+        logits = engine.forward(
+            torch.from_numpy(tokens.astype(np.int64)),
+            [1] * len(rows),
+            batch.slot_ids[rows].tolist(),
+            cache_lengths[rows].tolist(),
+            [1] * len(rows),
+        )
+        cache_lengths[rows] += 1
+    flat = [p for row in sampled_probs for p in row]
+    if flat:
+        result.probs = torch.stack(flat).numpy()
+    return result
+
+
+class LocalEngines:
+    """Both engines in this process (unit tests, offline checks): no Triton in between."""
+
+    def __init__(self, draft_engine: LlamaEngine, target_engine: LlamaEngine) -> None:
+        self.draft_engine = draft_engine
+        self.target_engine = target_engine
+
+    def draft(self, batch: EngineBatch) -> EngineResult:
+        return run_draft(self.draft_engine, batch)
+
+    def target(self, batch: EngineBatch) -> EngineResult:
+        return run_target(self.target_engine, batch)

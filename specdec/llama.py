@@ -1,0 +1,206 @@
+"""Llama-family decoder over a slot-addressed static KV cache: the `torch` engine.
+
+The engine keeps one cache for many sequences. A sequence is addressed by its slot and by
+how many positions of that slot are valid (`cache_lengths`); new tokens are written right
+after them. Rolling back rejected draft tokens is only a shorter cache length next call.
+
+Calls are packed: the new tokens of every row are concatenated into one (N,) tensor, so the
+linear layers (where the time goes on CPU) see one matrix, and only attention runs per row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> LlamaConfig:
+        rope = hf.get("rope_parameters") or {}
+        num_heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads", num_heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        )
+
+
+def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Reads a Hugging Face Llama-family directory (config.json + safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    if hf.get("model_type") not in {"llama", "mistral", "qwen2"}:
+        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not Llama-family")
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    if not state:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    return LlamaConfig.from_hf(hf), {k: v.to(dtype) for k, v in state.items()}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaEngine:
+    """A Llama decoder whose KV cache holds `num_slots` sequences of `max_length` positions."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        num_slots: int,
+        max_length: int,
+        device: str = "cpu",
+    ) -> None:
+        self.config = config
+        self.num_slots = num_slots
+        self.max_length = max_length
+        self.device = torch.device(device)
+        w = {k: v.to(self.device) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+            biases = [w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            self.layers.append(
+                {
+                    "qkv": torch.cat(qkv, 0),  # one matmul for q, k and v
+                    "qkv_bias": torch.cat(biases, 0) if biases[0] is not None else None,
+                    "o": w[p + "self_attn.o_proj.weight"],
+                    "gate_up": torch.cat(
+                        [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0
+                    ),
+                    "down": w[p + "mlp.down_proj.weight"],
+                    "attn_norm": w[p + "input_layernorm.weight"],
+                    "mlp_norm": w[p + "post_attention_layernorm.weight"],
+                }
+            )
+        c = config
+        # torch.empty: pages are touched only when a position is written, so memory follows use.
+        shape = (c.num_layers, num_slots, c.num_kv_heads, max_length, c.head_dim)
+        dtype = self.embed.dtype
+        self.k_cache = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
+        inv_freq = 1.0 / (
+            c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        )
+        self.inv_freq = inv_freq.to(self.device)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, num_slots: int, max_length: int, device="cpu"):
+        config, weights = load_hf_checkpoint(path)
+        return cls(config, weights, num_slots, max_length, device)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (N, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.embed.dtype
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # (N, 1, hd)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,) new tokens of all rows, packed
+        input_lengths: list[int],  # (B,) new tokens per row, sum N
+        slot_ids: list[int],  # (B,)
+        cache_lengths: list[int],  # (B,) valid positions already in each slot
+        num_logits: list[int],  # (B,) trailing positions per row that need logits
+    ) -> torch.Tensor:
+        """Appends the rows' tokens to their slots; returns (sum(num_logits), V) logits."""
+        c = self.config
+        for length, cache_length in zip(input_lengths, cache_lengths, strict=True):
+            if length <= 0 or cache_length + length > self.max_length:
+                raise ValueError(
+                    f"row of {length} new tokens after {cache_length} cached positions does "
+                    f"not fit max_length {self.max_length}"
+                )
+        n = input_ids.shape[0]
+        positions = torch.cat(
+            [torch.arange(cl, cl + ln) for cl, ln in zip(cache_lengths, input_lengths, strict=True)]
+        ).to(self.device)
+        token_slots = torch.repeat_interleave(
+            torch.tensor(slot_ids), torch.tensor(input_lengths)
+        ).to(self.device)
+        cos, sin = self._rope(positions)
+        starts = [0]
+        for length in input_lengths:
+            starts.append(starts[-1] + length)
+
+        x = F.embedding(input_ids.to(self.device), self.embed)  # (N, H)
+        q_size = c.num_heads * c.head_dim
+        kv_size = c.num_kv_heads * c.head_dim
+        for li, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # (N, q + 2 kv)
+            q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(n, c.num_kv_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            self.k_cache[li][token_slots, :, positions] = k  # (N, kvh, hd)
+            self.v_cache[li][token_slots, :, positions] = v
+            attn = torch.empty_like(q)  # (N, nh, hd)
+            for row, slot in enumerate(slot_ids):
+                s, e = starts[row], starts[row + 1]
+                total = cache_lengths[row] + (e - s)
+                keys = self.k_cache[li, slot, :, :total]  # (kvh, L, hd)
+                values = self.v_cache[li, slot, :, :total]
+                mask = None
+                if e - s > 1:  # causal within the new tokens; all cached positions visible
+                    query_pos = torch.arange(cache_lengths[row], total, device=self.device)
+                    mask = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None]
+                out = F.scaled_dot_product_attention(
+                    q[s:e].transpose(0, 1)[None],  # (1, nh, T, hd)
+                    keys[None],
+                    values[None],
+                    attn_mask=mask,
+                    enable_gqa=c.num_heads != c.num_kv_heads,
+                )
+                attn[s:e] = out[0].transpose(0, 1)
+            x = x + F.linear(attn.reshape(n, q_size), layer["o"])
+            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+
+        picks = torch.cat(
+            [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
+        ).to(self.device)
+        h = rms_norm(x[picks], self.final_norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()  # (sum(num_logits), V)

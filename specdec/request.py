@@ -1,0 +1,209 @@
+"""A generation request: the public inputs, parsed and validated, with no Triton types.
+
+Input names follow TensorRT-LLM's ensemble so existing clients and genai-perf work
+unchanged. Every error names the field it is about.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class InvalidInput(ValueError):
+    """A request input is missing or out of range; the message starts with the field name."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+# TensorRT-LLM inputs we accept only at their neutral value: name -> (neutral value, what).
+NEUTRAL_INPUTS: dict[str, float] = {
+    "beam_width": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "length_penalty": 1.0,
+}
+# Inputs whose feature is not implemented: they must be false or absent.
+UNSUPPORTED_FLAGS = (
+    "return_log_probs",
+    "return_context_logits",
+    "return_generation_logits",
+    "use_draft_logits",
+)
+# Inputs a client may send that change nothing here.
+IGNORED_INPUTS = ("pad_id", "return_num_input_tokens", "return_num_output_tokens")
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str | None  # text_input; None when the client sent input_ids
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    end_id: int = -1
+    stop_words: list[str] = field(default_factory=list)
+    num_draft_tokens: int | None = None  # None: the server chooses
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_perf_metrics: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _scalar(inputs: dict[str, np.ndarray], name: str, kind: type, default=None):
+    if name not in inputs:
+        return default
+    array = np.asarray(inputs[name])
+    if array.size != 1:
+        raise InvalidInput(name, f"expected one value, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    if kind is bool:
+        if array.dtype != np.bool_:
+            raise InvalidInput(name, f"expected BOOL, got {array.dtype}")
+        return bool(value)
+    if kind is int:
+        if not np.issubdtype(array.dtype, np.integer):
+            raise InvalidInput(name, f"expected an integer tensor, got {array.dtype}")
+        return int(value)
+    if not np.issubdtype(array.dtype, np.floating):
+        raise InvalidInput(name, f"expected a float tensor, got {array.dtype}")
+    return float(value)
+
+
+def _strings(inputs: dict[str, np.ndarray], name: str) -> list[str]:
+    if name not in inputs:
+        return []
+    array = np.asarray(inputs[name])
+    if array.dtype != np.object_:
+        raise InvalidInput(name, f"expected BYTES, got {array.dtype}")
+    if array.ndim > 2 or (array.ndim == 2 and array.shape[0] != 1):
+        raise InvalidInput(name, f"expected shape [1, n], got {list(array.shape)}")
+    words = []
+    for item in array.reshape(-1):
+        try:
+            word = item.decode("utf-8") if isinstance(item, bytes) else str(item)
+        except UnicodeDecodeError as error:
+            raise InvalidInput(name, "not valid UTF-8") from error
+        if word:
+            words.append(word)
+    return words
+
+
+def _first_of(inputs: dict[str, np.ndarray], names: tuple[str, ...], kind: type, default):
+    for name in names:
+        if name in inputs:
+            return name, _scalar(inputs, name, kind)
+    return names[0], default
+
+
+def parse_request(
+    inputs: dict[str, np.ndarray],
+    tokenize,
+    max_context: int,
+    max_draft_tokens: int,
+    default_end_id: int,
+) -> GenerationRequest:
+    """Builds a request from input tensors; raises InvalidInput naming the bad field.
+
+    `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids.
+    """
+    prompt = None
+    if "input_ids" in inputs:
+        ids = np.asarray(inputs["input_ids"])
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidInput("input_ids", f"expected INT32, got {ids.dtype}")
+        if ids.ndim == 2 and ids.shape[0] != 1:
+            raise InvalidInput("input_ids", f"one sequence per request, got {ids.shape[0]}")
+        prompt_ids = ids.reshape(-1).tolist()
+    if "text_input" in inputs:
+        texts = np.asarray(inputs["text_input"])
+        if texts.dtype != np.object_:
+            raise InvalidInput("text_input", f"expected BYTES, got {texts.dtype}")
+        if texts.size != 1:
+            raise InvalidInput(
+                "text_input", f"one prompt per request, got shape {list(texts.shape)}"
+            )
+        raw = texts.reshape(-1)[0]
+        try:
+            prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        except UnicodeDecodeError as error:
+            raise InvalidInput("text_input", "not valid UTF-8") from error
+        if "input_ids" not in inputs:
+            prompt_ids = tokenize(prompt)
+    elif "input_ids" not in inputs:
+        raise InvalidInput("text_input", "required")
+    if not prompt_ids:
+        raise InvalidInput("text_input", "empty prompt")
+    if len(prompt_ids) > max_context:
+        raise InvalidInput(
+            "text_input", f"prompt of {len(prompt_ids)} tokens exceeds the context of {max_context}"
+        )
+
+    max_tokens = _scalar(inputs, "max_tokens", int)
+    if max_tokens is None:
+        raise InvalidInput("max_tokens", "required")
+    if max_tokens <= 0:
+        raise InvalidInput("max_tokens", f"must be > 0, got {max_tokens}")
+
+    temperature = _scalar(inputs, "temperature", float, 0.0)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidInput("temperature", f"must be a finite number >= 0, got {temperature}")
+    top_p = _scalar(inputs, "top_p", float, 1.0)
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise InvalidInput("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = _scalar(inputs, "top_k", int, 0)
+    if top_k < 0:
+        raise InvalidInput("top_k", f"must be >= 0, got {top_k}")
+    seed_name, seed = _first_of(inputs, ("seed", "random_seed"), int, None)
+    min_name, min_tokens = _first_of(inputs, ("min_tokens", "min_length"), int, 0)
+    if min_tokens < 0:
+        raise InvalidInput(min_name, f"must be >= 0, got {min_tokens}")
+    end_id = _scalar(inputs, "end_id", int, default_end_id)
+    num_draft_tokens = _scalar(inputs, "num_draft_tokens", int, None)
+    if num_draft_tokens is not None and not 0 <= num_draft_tokens <= max_draft_tokens:
+        raise InvalidInput(
+            "num_draft_tokens", f"must be in 0..{max_draft_tokens}, got {num_draft_tokens}"
+        )
+
+    for name, neutral in NEUTRAL_INPUTS.items():
+        value = _scalar(inputs, name, float if isinstance(neutral, float) else int, neutral)
+        if value != neutral:
+            raise InvalidInput(name, f"only {neutral} is supported, got {value}")
+    for name in UNSUPPORTED_FLAGS:
+        if _scalar(inputs, name, bool, False):
+            raise InvalidInput(name, "not supported by this server")
+    if _strings(inputs, "bad_words"):
+        raise InvalidInput("bad_words", "not supported by this server")
+
+    return GenerationRequest(
+        prompt=prompt,
+        prompt_ids=[int(t) for t in prompt_ids],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed if seed is None else seed & (2**63 - 1),
+        min_tokens=min_tokens,
+        end_id=end_id,
+        stop_words=_strings(inputs, "stop_words"),
+        num_draft_tokens=num_draft_tokens,
+        stream=_scalar(inputs, "stream", bool, False),
+        exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, False),
+        return_perf_metrics=_scalar(inputs, "return_perf_metrics", bool, False),
+        return_num_input_tokens=_scalar(inputs, "return_num_input_tokens", bool, False),
+        return_num_output_tokens=_scalar(inputs, "return_num_output_tokens", bool, False),
+    )

@@ -1,0 +1,271 @@
+"""The speculate-verify loop with in-flight batching (arXiv 2211.17192, 2302.01318).
+
+One `step()` serves every running sequence: one draft call proposes k tokens per row (k per
+row, 0 rows skip the call), one target call verifies all rows, and each row accepts its own
+prefix. Sequences join at step boundaries while KV slots are free and leave when done; the
+caches of both engines are addressed by the sequence's slot, and a rejected draft token is
+rolled back by a shorter cache length. This module never sees Triton: `Engines` is two calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from specdec.detokenizer import Chunk, Decode, IncrementalDetokenizer
+from specdec.engine import EngineBatch, EngineResult
+from specdec.rejection import Verdict, rejection_sample, verify_greedy
+from specdec.request import GenerationRequest
+
+
+class Engines(Protocol):
+    def draft(self, batch: EngineBatch) -> EngineResult: ...
+    def target(self, batch: EngineBatch) -> EngineResult: ...
+
+
+@dataclass
+class SchedulerConfig:
+    num_slots: int  # KV cache slots per engine: the most sequences running at once
+    max_context: int  # positions per slot
+    max_draft_tokens: int  # upper bound on k
+    default_draft_tokens: int  # k for requests that do not set num_draft_tokens
+    max_queue: int = 1024  # waiting requests beyond this are refused
+
+
+@dataclass
+class SequenceStats:
+    num_draft_tokens: int = 0  # proposed
+    num_accepted_draft_tokens: int = 0
+    num_target_passes: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        if not self.num_draft_tokens:
+            return 0.0
+        return self.num_accepted_draft_tokens / self.num_draft_tokens
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator
+    id: int = 0
+    slot: int = -1
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    target_cache_length: int = 0
+    draft_cache_length: int = 0
+    num_draft_tokens: int = 0  # k of the current step
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    finish_reason: str | None = None  # "end", "length", "stop", "cancelled", "error"
+    cancelled: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.request.prompt_ids)
+
+
+@dataclass
+class Update:
+    """What one step did for one sequence: the glue turns it into a response."""
+
+    sequence: Sequence
+    chunk: Chunk
+    finished: bool
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class SpeculativeScheduler:
+    def __init__(self, engines: Engines, config: SchedulerConfig, decode: Decode) -> None:
+        self.engines = engines
+        self.config = config
+        self.decode = decode
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(config.num_slots - 1, -1, -1))
+        self._ids = itertools.count()
+
+    # -- joining and leaving ---------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Sequence:
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFull(f"queue full ({self.config.max_queue} requests waiting)")
+        generator = torch.Generator()
+        generator.manual_seed(request.seed if request.seed is not None else generator.seed())
+        sequence = Sequence(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.decode, request.stop_words),
+            generator=generator,
+            id=next(self._ids),
+            token_ids=list(request.prompt_ids),
+        )
+        self.waiting.append(sequence)
+        return sequence
+
+    def cancel(self, sequence: Sequence) -> None:
+        sequence.cancelled = True
+
+    def fail_all(self, reason: str = "error") -> list[Sequence]:
+        """Ends every sequence (engine failure, shutdown); returns them for final responses."""
+        ended = list(self.running) + list(self.waiting)
+        for sequence in ended:
+            sequence.finish_reason = reason
+            self._release(sequence)
+        self.running, self.waiting = [], collections.deque()
+        return ended
+
+    def _release(self, sequence: Sequence) -> None:
+        if sequence.slot >= 0:
+            self.free_slots.append(sequence.slot)
+            sequence.slot = -1
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            sequence = self.waiting.popleft()
+            if sequence.cancelled:
+                continue
+            sequence.slot = self.free_slots.pop()
+            self.running.append(sequence)
+
+    def _drop_cancelled(self) -> list[Sequence]:
+        cancelled = [s for s in self.running if s.cancelled]
+        for sequence in cancelled:
+            sequence.finish_reason = "cancelled"
+            self._release(sequence)
+        self.running = [s for s in self.running if not s.cancelled]
+        self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
+        return cancelled
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one iteration ---------------------------------------------------------------------
+    def choose_num_draft_tokens(self, sequence: Sequence) -> int:
+        request = sequence.request
+        k = request.num_draft_tokens
+        if k is None:
+            k = self.config.default_draft_tokens
+        # No proposals past max_tokens or past the end of the slot.
+        remaining = request.max_tokens - sequence.num_output_tokens - 1
+        room = self.config.max_context - len(sequence.token_ids)
+        return max(0, min(k, self.config.max_draft_tokens, remaining, room))
+
+    def step(self) -> list[Update]:
+        """Runs one draft call and one target call over the running batch."""
+        self._drop_cancelled()
+        self._admit()
+        batch = list(self.running)
+        if not batch:
+            return []
+        for sequence in batch:
+            sequence.num_draft_tokens = self.choose_num_draft_tokens(sequence)
+        drafting = [s for s in batch if s.num_draft_tokens > 0]
+        proposals = self._propose(drafting) if drafting else {}
+        result = self.engines.target(self._target_batch(batch, proposals))
+        updates = []
+        probs_row = 0
+        for row, sequence in enumerate(batch):
+            k = sequence.num_draft_tokens
+            draft_ids, draft_probs = proposals.get(sequence.id, ([], None))
+            if sequence.request.greedy:
+                verdict = verify_greedy(draft_ids, result.token_ids[row, : k + 1].tolist())
+            else:
+                target_probs = torch.from_numpy(result.probs[probs_row : probs_row + k + 1])
+                probs_row += k + 1
+                verdict = rejection_sample(draft_ids, draft_probs, target_probs,
+                                           sequence.generator)
+            updates.append(self._commit(sequence, verdict))
+        self.running = [s for s in self.running if s.finish_reason is None]
+        return updates
+
+    def _propose(self, drafting: list[Sequence]) -> dict[int, tuple[list[int], torch.Tensor]]:
+        batch = self._engine_batch(
+            drafting,
+            pending=[s.token_ids[s.draft_cache_length :] for s in drafting],
+            cache_lengths=[s.draft_cache_length for s in drafting],
+            num_steps=[s.num_draft_tokens for s in drafting],
+        )
+        result = self.engines.draft(batch)
+        proposals = {}
+        probs_row = 0
+        for row, sequence in enumerate(drafting):
+            k = sequence.num_draft_tokens
+            draft_probs = None
+            if not sequence.request.greedy:
+                draft_probs = torch.from_numpy(result.probs[probs_row : probs_row + k])
+                probs_row += k
+            proposals[sequence.id] = (result.token_ids[row, :k].tolist(), draft_probs)
+            # The draft cached everything it was fed: the pending tokens and k - 1 proposals.
+            sequence.draft_cache_length = len(sequence.token_ids) + k - 1
+        return proposals
+
+    def _target_batch(self, batch: list[Sequence], proposals: dict) -> EngineBatch:
+        return self._engine_batch(
+            batch,
+            pending=[
+                s.token_ids[s.target_cache_length :] + proposals.get(s.id, ([], None))[0]
+                for s in batch
+            ],
+            cache_lengths=[s.target_cache_length for s in batch],
+            num_steps=[s.num_draft_tokens + 1 for s in batch],
+        )
+
+    def _engine_batch(self, rows: list[Sequence], pending: list[list[int]],
+                      cache_lengths: list[int], num_steps: list[int]) -> EngineBatch:
+        requests = [s.request for s in rows]
+        return EngineBatch(
+            input_ids=np.array([t for p in pending for t in p], dtype=np.int64),
+            input_lengths=np.array([len(p) for p in pending], dtype=np.int32),
+            slot_ids=np.array([s.slot for s in rows], dtype=np.int32),
+            cache_lengths=np.array(cache_lengths, dtype=np.int32),
+            num_steps=np.array(num_steps, dtype=np.int32),
+            temperature=np.array([r.temperature for r in requests], dtype=np.float32),
+            top_k=np.array([r.top_k for r in requests], dtype=np.int32),
+            top_p=np.array([r.top_p for r in requests], dtype=np.float32),
+            end_ids=np.array([r.end_id for r in requests], dtype=np.int32),
+            min_tokens_left=np.array(
+                [max(0, r.min_tokens - s.num_output_tokens) for r, s in zip(requests, rows)],
+                dtype=np.int32,
+            ),
+            seeds=np.array(
+                [int(torch.randint(2**62, (), generator=s.generator)) for s in rows],
+                dtype=np.int64,
+            ),
+        )
+
+    def _commit(self, sequence: Sequence, verdict: Verdict) -> Update:
+        """Appends the verdict's tokens up to the first stop condition."""
+        request = sequence.request
+        sequence.stats.num_target_passes += 1
+        sequence.stats.num_draft_tokens += sequence.num_draft_tokens
+        sequence.stats.num_accepted_draft_tokens += verdict.num_accepted
+        for token in verdict.token_ids:
+            if token == request.end_id:
+                sequence.finish_reason = "end"
+                break
+            sequence.token_ids.append(token)
+            if sequence.detokenizer.add(token):
+                sequence.finish_reason = "stop"
+            elif sequence.num_output_tokens >= request.max_tokens:
+                sequence.finish_reason = "length"
+            elif len(sequence.token_ids) > self.config.max_context:
+                sequence.finish_reason = "length"
+            if sequence.finish_reason:
+                break
+        # Valid cache prefixes: everything but the newest token (it was never fed).
+        sequence.target_cache_length = len(sequence.token_ids) - 1
+        sequence.draft_cache_length = min(sequence.draft_cache_length, len(sequence.token_ids) - 1)
+        finished = sequence.finish_reason is not None
+        if finished:
+            self._release(sequence)
+        chunk = sequence.detokenizer.take(final=finished) if (
+            request.stream or finished) else Chunk("", [], 0)
+        return Update(sequence, chunk, finished)
