@@ -63,7 +63,12 @@ def truncate_layers(src: Path, dst: Path, num_layers: int) -> None:
     save_file(kept, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config["num_hidden_layers"] = num_layers
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json", "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
         if (src / name).exists():
             (dst / name).write_bytes((src / name).read_bytes())

@@ -36,8 +36,6 @@ UNSUPPORTED_FLAGS = (
     "return_generation_logits",
     "use_draft_logits",
 )
-# Inputs a client may send that change nothing here.
-IGNORED_INPUTS = ("pad_id", "return_num_input_tokens", "return_num_output_tokens")
 
 
 @dataclass
@@ -45,6 +43,7 @@ class GenerationRequest:
     prompt: str | None  # text_input; None when the client sent input_ids
     prompt_ids: list[int]
     max_tokens: int
+    prompt_from_ids: bool = False  # input_ids sent (the ensemble): answer with token windows
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -168,7 +167,7 @@ def parse_request(
     top_k = _scalar(inputs, "top_k", int, 0)
     if top_k < 0:
         raise InvalidInput("top_k", f"must be >= 0, got {top_k}")
-    seed_name, seed = _first_of(inputs, ("seed", "random_seed"), int, None)
+    _, seed = _first_of(inputs, ("seed", "random_seed"), int, None)
     min_name, min_tokens = _first_of(inputs, ("min_tokens", "min_length"), int, 0)
     if min_tokens < 0:
         raise InvalidInput(min_name, f"must be >= 0, got {min_tokens}")
@@ -192,6 +191,7 @@ def parse_request(
     return GenerationRequest(
         prompt=prompt,
         prompt_ids=[int(t) for t in prompt_ids],
+        prompt_from_ids="input_ids" in inputs,
         max_tokens=max_tokens,
         temperature=temperature,
         top_k=top_k,

@@ -180,8 +180,7 @@ class SpeculativeScheduler:
             else:
                 target_probs = torch.from_numpy(result.probs[probs_row : probs_row + k + 1])
                 probs_row += k + 1
-                verdict = rejection_sample(draft_ids, draft_probs, target_probs,
-                                           sequence.generator)
+                verdict = rejection_sample(draft_ids, draft_probs, target_probs, sequence.generator)
             updates.append(self._commit(sequence, verdict))
         self.running = [s for s in self.running if s.finish_reason is None]
         return updates
@@ -218,8 +217,13 @@ class SpeculativeScheduler:
             num_steps=[s.num_draft_tokens + 1 for s in batch],
         )
 
-    def _engine_batch(self, rows: list[Sequence], pending: list[list[int]],
-                      cache_lengths: list[int], num_steps: list[int]) -> EngineBatch:
+    def _engine_batch(
+        self,
+        rows: list[Sequence],
+        pending: list[list[int]],
+        cache_lengths: list[int],
+        num_steps: list[int],
+    ) -> EngineBatch:
         requests = [s.request for s in rows]
         return EngineBatch(
             input_ids=np.array([t for p in pending for t in p], dtype=np.int64),
@@ -232,7 +236,7 @@ class SpeculativeScheduler:
             top_p=np.array([r.top_p for r in requests], dtype=np.float32),
             end_ids=np.array([r.end_id for r in requests], dtype=np.int32),
             min_tokens_left=np.array(
-                [max(0, r.min_tokens - s.num_output_tokens) for r, s in zip(requests, rows)],
+                [max(0, s.request.min_tokens - s.num_output_tokens) for s in rows],
                 dtype=np.int32,
             ),
             seeds=np.array(
@@ -266,6 +270,9 @@ class SpeculativeScheduler:
         finished = sequence.finish_reason is not None
         if finished:
             self._release(sequence)
-        chunk = sequence.detokenizer.take(final=finished) if (
-            request.stream or finished) else Chunk("", [], 0)
+        chunk = (
+            sequence.detokenizer.take(final=finished)
+            if (request.stream or finished)
+            else Chunk("", [], 0)
+        )
         return Update(sequence, chunk, finished)

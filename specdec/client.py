@@ -1,0 +1,151 @@
+"""A tritonclient gRPC client for the ensemble and the BLS (used by clients/, tests, benchmarks).
+
+Decoupled models answer only on gRPC streams, so every request goes through one; `stream`
+decides whether the server sends one response per iteration or one at the end.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+INPUT_TYPES: dict[str, tuple[str, type]] = {
+    "max_tokens": ("INT32", np.int32),
+    "stream": ("BOOL", np.bool_),
+    "temperature": ("FP32", np.float32),
+    "top_p": ("FP32", np.float32),
+    "top_k": ("INT32", np.int32),
+    "seed": ("UINT64", np.uint64),
+    "random_seed": ("UINT64", np.uint64),
+    "min_tokens": ("INT32", np.int32),
+    "min_length": ("INT32", np.int32),
+    "end_id": ("INT32", np.int32),
+    "pad_id": ("INT32", np.int32),
+    "beam_width": ("INT32", np.int32),
+    "num_return_sequences": ("INT32", np.int32),
+    "num_draft_tokens": ("INT32", np.int32),
+    "exclude_input_in_output": ("BOOL", np.bool_),
+    "return_perf_metrics": ("BOOL", np.bool_),
+    "return_num_input_tokens": ("BOOL", np.bool_),
+    "return_num_output_tokens": ("BOOL", np.bool_),
+    "repetition_penalty": ("FP32", np.float32),
+    "presence_penalty": ("FP32", np.float32),
+    "frequency_penalty": ("FP32", np.float32),
+    "length_penalty": ("FP32", np.float32),
+    "return_log_probs": ("BOOL", np.bool_),
+    "return_context_logits": ("BOOL", np.bool_),
+    "return_generation_logits": ("BOOL", np.bool_),
+    "use_draft_logits": ("BOOL", np.bool_),
+}
+METRIC_OUTPUTS = (
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+    "num_input_tokens",
+    "num_output_tokens",
+)
+
+
+def build_inputs(prompt: str | bytes, **params) -> list[grpcclient.InferInput]:
+    """Input tensors, shaped [1, 1] (a batch of one) as TensorRT-LLM's ensemble takes them."""
+    raw = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[raw]], dtype=np.object_))
+    inputs = [text]
+    for name, value in params.items():
+        if value is None:
+            continue
+        if name in ("stop_words", "bad_words"):
+            words = np.array([[w.encode("utf-8") for w in value]], dtype=np.object_)
+            tensor = grpcclient.InferInput(name, list(words.shape), "BYTES")
+            tensor.set_data_from_numpy(words)
+        else:
+            triton_type, dtype = INPUT_TYPES[name]
+            tensor = grpcclient.InferInput(name, [1, 1], triton_type)
+            tensor.set_data_from_numpy(np.array([[value]], dtype=dtype))
+        inputs.append(tensor)
+    return inputs
+
+
+@dataclass
+class GenerationResult:
+    text: str = ""  # all chunks joined
+    chunks: list[str] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # seconds since the request left
+    metrics: dict[str, float] = field(default_factory=dict)  # acceptance_rate, ...
+    error: InferenceServerException | None = None
+    elapsed: float = 0.0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+
+class StreamingClient:
+    """One gRPC stream; `generate` sends one request on it and collects its responses."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "ensemble") -> None:
+        self.url = url
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result,
+                                                                                     error)))
+
+    def close(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+
+    def __enter__(self) -> StreamingClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompt: str | bytes, timeout: float = 300.0, on_chunk=None,
+                 **params) -> GenerationResult:
+        result = GenerationResult()
+        start = time.perf_counter()
+        self.client.async_stream_infer(
+            self.model, build_inputs(prompt, **params), enable_empty_final_response=True
+        )
+        while True:
+            response, error = self.responses.get(timeout=timeout)
+            now = time.perf_counter() - start
+            if error is not None:
+                result.error = error
+                break
+            self._collect(response, result, now, on_chunk)
+            final = response.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                break
+        result.elapsed = time.perf_counter() - start
+        result.text = "".join(result.chunks)
+        return result
+
+    @staticmethod
+    def _collect(response, result: GenerationResult, now: float, on_chunk) -> None:
+        text = response.as_numpy("text_output")
+        if text is not None:
+            chunk = text.reshape(-1)[0].decode("utf-8")
+            if chunk:
+                result.chunks.append(chunk)
+                result.chunk_times.append(now)
+                if on_chunk is not None:
+                    on_chunk(chunk)
+        for name in METRIC_OUTPUTS:
+            value = response.as_numpy(name)
+            if value is not None:
+                result.metrics[name] = value.reshape(-1)[0].item()
+
+
+def generate(prompt: str | bytes, url: str = "127.0.0.1:8001", model: str = "ensemble",
+             **params) -> GenerationResult:
+    """One request on a fresh stream."""
+    with StreamingClient(url, model) as client:
+        return client.generate(prompt, **params)

@@ -1,0 +1,45 @@
+"""Glue of draft_model and target_model: one engine call per request, no batching by Triton."""
+
+from __future__ import annotations
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from specdec.engine import EngineBatch, run_draft, run_target
+from specdec.llama import LlamaEngine
+from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        params = model_parameters(args)
+        if params.get("engine", "torch") != "torch":
+            raise ValueError(f"engine {params['engine']!r} is not available in this build")
+        self.role = params["role"]
+        self.run = {"draft": run_draft, "target": run_target}[self.role]
+        self.engine = LlamaEngine.from_checkpoint(
+            resolve_path(params["checkpoint"]),
+            num_slots=int(params["num_slots"]),
+            max_length=int(params["max_context"]),
+            device=params.get("device", "cpu"),
+        )
+        self.inputs = input_names(args)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                batch = EngineBatch.from_arrays(read_inputs(request, self.inputs))
+                result = self.run(self.engine, batch)
+                tensors = [
+                    pb_utils.Tensor(name, np.ascontiguousarray(array))
+                    for name, array in result.to_arrays().items()
+                ]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception as error:  # the caller (the BLS) ends the affected requests
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(f"{self.role} engine: {error}")
+                    )
+                )
+        return responses

@@ -1,0 +1,32 @@
+"""The target's tokenizer, as every model and client of the project uses it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+
+class TextTokenizer:
+    def __init__(self, checkpoint: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        self.eos_token_id: int = self._tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer(text)["input_ids"]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, user_message: str) -> str:
+        messages = [{"role": "user", "content": user_message}]
+        return self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(checkpoint: str) -> TextTokenizer:
+    return TextTokenizer(checkpoint)
