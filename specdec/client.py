@@ -94,8 +94,7 @@ class StreamingClient:
         self.model = model
         self.client = grpcclient.InferenceServerClient(url)
         self.responses: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result,
-                                                                                     error)))
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
     def close(self) -> None:
         self.client.stop_stream(cancel_requests=True)
@@ -107,8 +106,9 @@ class StreamingClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompt: str | bytes, timeout: float = 300.0, on_chunk=None,
-                 **params) -> GenerationResult:
+    def generate(
+        self, prompt: str | bytes, timeout: float = 300.0, on_chunk=None, **params
+    ) -> GenerationResult:
         result = GenerationResult()
         start = time.perf_counter()
         self.client.async_stream_infer(
@@ -144,8 +144,9 @@ class StreamingClient:
                 result.metrics[name] = value.reshape(-1)[0].item()
 
 
-def generate(prompt: str | bytes, url: str = "127.0.0.1:8001", model: str = "ensemble",
-             **params) -> GenerationResult:
+def generate(
+    prompt: str | bytes, url: str = "127.0.0.1:8001", model: str = "ensemble", **params
+) -> GenerationResult:
     """One request on a fresh stream."""
     with StreamingClient(url, model) as client:
         return client.generate(prompt, **params)

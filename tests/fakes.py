@@ -1,0 +1,81 @@
+"""Scripted engines for unit tests of the loop: a deterministic 'language model' over ints.
+
+Each fake keeps a real per-slot cache of token lists and computes its answer from what the
+cache holds, so wrong cache bookkeeping in the scheduler gives wrong tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specdec.engine import EngineBatch, EngineResult
+
+VOCAB = 50
+
+
+def oracle_next(tokens: list[int]) -> int:
+    """The target's greedy next token."""
+    return (tokens[-1] * 7 + len(tokens) * 3 + 1) % VOCAB
+
+
+def draft_guess(tokens: list[int]) -> int:
+    """A draft that agrees with the oracle except at every third length."""
+    right = oracle_next(tokens)
+    return right if len(tokens) % 3 else (right + 1) % VOCAB
+
+
+def oracle_continuation(prompt: list[int], num_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(oracle_next(tokens))
+    return tokens[len(prompt) :]
+
+
+class FakeEngines:
+    def __init__(self, num_slots: int, fail_on_call: int | None = None) -> None:
+        self.draft_cache: dict[int, list[int]] = {s: [] for s in range(num_slots)}
+        self.target_cache: dict[int, list[int]] = {s: [] for s in range(num_slots)}
+        self.calls: list[tuple[str, int]] = []  # (role, batch size)
+        self.fail_on_call = fail_on_call
+
+    def _append(self, cache, batch: EngineBatch) -> list[list[int]]:
+        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+            self.fail_on_call = None  # fail once
+            raise RuntimeError("scripted engine failure")
+        rows, start = [], 0
+        for slot, length, cached in zip(
+            batch.slot_ids, batch.input_lengths, batch.cache_lengths, strict=True
+        ):
+            held = cache[int(slot)]
+            assert cached <= len(held), "cache length beyond what the slot holds"
+            del held[int(cached) :]
+            held.extend(batch.input_ids[start : start + length].tolist())
+            start += length
+            rows.append(held)
+        return rows
+
+    def draft(self, batch: EngineBatch) -> EngineResult:
+        rows = self._append(self.draft_cache, batch)
+        self.calls.append(("draft", len(rows)))
+        out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
+        for r, held in enumerate(rows):
+            for step in range(int(batch.num_steps[r])):
+                token = draft_guess(held)
+                out[r, step] = token
+                if step + 1 < batch.num_steps[r]:
+                    held.append(token)  # fed, as the real draft does
+        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32))
+
+    def target(self, batch: EngineBatch) -> EngineResult:
+        rows = self._append(self.target_cache, batch)
+        self.calls.append(("target", len(rows)))
+        out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
+        for r, held in enumerate(rows):
+            n = int(batch.num_steps[r])
+            for j in range(n):
+                out[r, j] = oracle_next(held[: len(held) - n + 1 + j])
+        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32))
+
+
+def fake_decode(token_ids) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in token_ids)

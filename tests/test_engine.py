@@ -1,0 +1,115 @@
+"""The torch engine against Hugging Face transformers, and the engine calls' sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.engine import EngineBatch, run_draft, run_target
+from specdec.llama import LlamaEngine
+from specdec.sampling import RowSampling, probs_from_logits
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir):
+    return LlamaEngine.from_checkpoint(target_dir, num_slots=4, max_length=128)
+
+
+def test_packed_batch_logits_match_hf(engine, hf_target):
+    tokenizer, model = hf_target
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time, in a"]
+    ids = [tokenizer(p).input_ids for p in prompts]
+    split = [len(x) - 3 for x in ids]
+    # Prefill the heads of three rows in one packed call, then their tails (3 tokens each).
+    engine.forward(
+        torch.tensor([t for x, s in zip(ids, split, strict=True) for t in x[:s]]),
+        split,
+        [0, 1, 2],
+        [0, 0, 0],
+        [1, 1, 1],
+    )
+    logits = engine.forward(
+        torch.tensor([t for x, s in zip(ids, split, strict=True) for t in x[s:]]),
+        [3, 3, 3],
+        [0, 1, 2],
+        split,
+        [3, 3, 3],
+    )
+    for row, x in enumerate(ids):
+        with torch.inference_mode():
+            reference = model(torch.tensor([x])).logits[0, -3:]
+        assert torch.allclose(logits[3 * row : 3 * row + 3], reference, atol=1e-3)
+
+
+def batch(**overrides) -> EngineBatch:
+    fields = dict(
+        input_ids=np.array([1, 2, 3, 4, 5], dtype=np.int64),
+        input_lengths=np.array([5], dtype=np.int32),
+        slot_ids=np.array([3], dtype=np.int32),
+        cache_lengths=np.array([0], dtype=np.int32),
+        num_steps=np.array([4], dtype=np.int32),
+        temperature=np.array([0.0], dtype=np.float32),
+        top_k=np.array([0], dtype=np.int32),
+        top_p=np.array([1.0], dtype=np.float32),
+        end_ids=np.array([-1], dtype=np.int32),
+        min_tokens_left=np.array([0], dtype=np.int32),
+        seeds=np.array([1], dtype=np.int64),
+    )
+    fields.update(overrides)
+    return EngineBatch(**fields)
+
+
+def test_greedy_draft_equals_greedy_target_steps(engine):
+    proposed = run_draft(engine, batch()).token_ids[0].tolist()
+    scored = run_target(
+        engine,
+        batch(
+            input_ids=np.array([1, 2, 3, 4, 5] + proposed[:3]),
+            input_lengths=np.array([8], dtype=np.int32),
+        ),
+    )
+    # The model proposing for itself agrees with its own verification at every position.
+    assert scored.token_ids[0].tolist() == proposed
+    assert scored.probs.shape == (0, engine.config.vocab_size)
+
+
+def test_sampled_draft_is_seeded_and_returns_its_distributions(engine):
+    sampled = dict(
+        temperature=np.array([0.9], dtype=np.float32), top_k=np.array([40], dtype=np.int32)
+    )
+    first = run_draft(engine, batch(**sampled))
+    again = run_draft(engine, batch(**sampled))
+    assert first.token_ids.tolist() == again.token_ids.tolist()
+    assert first.probs.shape == (4, engine.config.vocab_size)
+    assert np.allclose(first.probs.sum(-1), 1.0, atol=1e-4)
+    assert ((first.probs > 0).sum(-1) <= 40).all()
+    for step, token in enumerate(first.token_ids[0]):
+        assert first.probs[step, token] > 0
+
+
+def test_end_token_blocked_before_min_tokens(engine):
+    logits = torch.zeros(2, 8)
+    logits[:, 2] = 10.0
+    sampling = RowSampling(
+        temperature=torch.tensor([1.0, 1.0]),
+        top_k=torch.tensor([0, 0]),
+        top_p=torch.tensor([1.0, 1.0]),
+        end_id=torch.tensor([2, 2]),
+        block_end=torch.tensor([True, False]),
+    )
+    probs = probs_from_logits(logits, sampling)
+    assert probs[0, 2] == 0 and probs[1, 2] > 0.99
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    sampling = RowSampling(
+        torch.tensor([1.0]),
+        torch.tensor([0]),
+        torch.tensor([0.8]),
+        torch.tensor([-1]),
+        torch.tensor([False]),
+    )
+    probs = probs_from_logits(logits, sampling)
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))

@@ -1,0 +1,106 @@
+"""Input validation: every bad input is refused with a message that names its field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec.request import InvalidInput, parse_request
+
+
+def tokenize(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def parse(**inputs):
+    return parse_request(inputs, tokenize, max_context=16, max_draft_tokens=8, default_end_id=2)
+
+
+def text(value: str | bytes) -> np.ndarray:
+    raw = value.encode() if isinstance(value, str) else value
+    return np.array([[raw]], dtype=np.object_)
+
+
+def i32(v):
+    return np.array([[v]], dtype=np.int32)
+
+
+def f32(v):
+    return np.array([[v]], dtype=np.float32)
+
+
+GOOD = {"text_input": text("hello"), "max_tokens": i32(4)}
+
+
+def test_defaults():
+    request = parse(**GOOD)
+    assert request.prompt_ids == tokenize("hello")
+    assert request.greedy and request.num_draft_tokens is None and request.end_id == 2
+    assert not request.stream and not request.prompt_from_ids
+
+
+@pytest.mark.parametrize(
+    ("field", "inputs"),
+    [
+        ("text_input", {"max_tokens": i32(4)}),
+        ("text_input", {**GOOD, "text_input": text("")}),
+        ("text_input", {**GOOD, "text_input": text(b"\xff\xfe")}),
+        ("text_input", {**GOOD, "text_input": text("x" * 17)}),
+        ("text_input", {**GOOD, "text_input": np.array([[b"a"], [b"b"]], dtype=np.object_)}),
+        ("text_input", {**GOOD, "text_input": np.array([[1.0]], dtype=np.float32)}),
+        ("max_tokens", {"text_input": text("hi")}),
+        ("max_tokens", {**GOOD, "max_tokens": i32(0)}),
+        ("max_tokens", {**GOOD, "max_tokens": i32(-3)}),
+        ("max_tokens", {**GOOD, "max_tokens": f32(3.0)}),
+        ("temperature", {**GOOD, "temperature": f32(-0.1)}),
+        ("temperature", {**GOOD, "temperature": f32(float("nan"))}),
+        ("temperature", {**GOOD, "temperature": f32(float("inf"))}),
+        ("top_p", {**GOOD, "top_p": f32(0.0)}),
+        ("top_p", {**GOOD, "top_p": f32(1.5)}),
+        ("top_k", {**GOOD, "top_k": i32(-1)}),
+        ("num_draft_tokens", {**GOOD, "num_draft_tokens": i32(-1)}),
+        ("num_draft_tokens", {**GOOD, "num_draft_tokens": i32(9)}),
+        ("min_length", {**GOOD, "min_length": i32(-1)}),
+        ("beam_width", {**GOOD, "beam_width": i32(2)}),
+        ("num_return_sequences", {**GOOD, "num_return_sequences": i32(3)}),
+        ("repetition_penalty", {**GOOD, "repetition_penalty": f32(1.2)}),
+        ("return_log_probs", {**GOOD, "return_log_probs": np.array([[True]])}),
+        ("bad_words", {**GOOD, "bad_words": text("no")}),
+        ("stop_words", {**GOOD, "stop_words": np.array([[b"a"], [b"b"]], dtype=np.object_)}),
+        ("stream", {**GOOD, "stream": i32(1)}),
+    ],
+)
+def test_bad_input_names_its_field(field, inputs):
+    with pytest.raises(InvalidInput) as raised:
+        parse(**inputs)
+    assert raised.value.field == field
+    assert str(raised.value).startswith(f"{field}:")
+
+
+def test_prompt_at_the_context_length_is_accepted():
+    assert len(parse(**{**GOOD, "text_input": text("x" * 16)}).prompt_ids) == 16
+
+
+def test_aliases_and_neutral_values():
+    request = parse(
+        **GOOD,
+        random_seed=np.array([[2**64 - 1]], dtype=np.uint64),
+        min_length=i32(3),
+        beam_width=i32(1),
+        repetition_penalty=f32(1.0),
+        return_log_probs=np.array([[False]]),
+        stop_words=np.array([[b"END", b""]], dtype=np.object_),
+        temperature=f32(0.7),
+        top_k=i32(5),
+    )
+    assert request.seed == (2**64 - 1) & (2**63 - 1)
+    assert request.min_tokens == 3
+    assert request.stop_words == ["END"]
+    assert not request.greedy and request.top_k == 5
+
+
+def test_input_ids_take_precedence_over_text():
+    request = parse(**GOOD, input_ids=np.array([[5, 6, 7]], dtype=np.int32))
+    assert request.prompt_ids == [5, 6, 7]
+    assert request.prompt == "hello"
+    assert request.prompt_from_ids

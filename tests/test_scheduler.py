@@ -1,0 +1,139 @@
+"""The in-flight batching loop, with scripted engines and with the real ones in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import FakeEngines, fake_decode, oracle_continuation
+from specdec.request import GenerationRequest
+from specdec.scheduler import QueueFull, SchedulerConfig, SpeculativeScheduler
+
+
+def make_scheduler(num_slots=4, k=3, max_context=256, fail_on_call=None, max_queue=64):
+    engines = FakeEngines(num_slots, fail_on_call)
+    config = SchedulerConfig(
+        num_slots, max_context, max_draft_tokens=8, default_draft_tokens=k, max_queue=max_queue
+    )
+    return SpeculativeScheduler(engines, config, fake_decode), engines
+
+
+def request(prompt, max_tokens, **kw) -> GenerationRequest:
+    kw.setdefault("end_id", -1)
+    return GenerationRequest(prompt=None, prompt_ids=list(prompt), max_tokens=max_tokens, **kw)
+
+
+def run_all(scheduler, limit=10_000):
+    updates = []
+    for _ in range(limit):
+        if not scheduler.has_work:
+            return updates
+        updates += scheduler.step()
+    raise AssertionError("loop did not finish")
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+def test_outputs_equal_target_greedy_at_every_k(k):
+    scheduler, _ = make_scheduler(k=k)
+    sequences = [scheduler.submit(request([i + 1, 2 * i + 3], 20 + 5 * i)) for i in range(6)]
+    run_all(scheduler)
+    for i, s in enumerate(sequences):
+        assert s.token_ids[2:] == oracle_continuation([i + 1, 2 * i + 3], 20 + 5 * i)
+        assert s.finish_reason == "length"
+
+
+def test_requests_join_and_leave_at_step_boundaries():
+    scheduler, engines = make_scheduler(num_slots=2, k=2)
+    first = scheduler.submit(request([1], 4))
+    second = scheduler.submit(request([2], 30))
+    third = scheduler.submit(request([3], 6))  # waits for a slot
+    scheduler.step()
+    assert [s.id for s in scheduler.running] == [first.id, second.id]
+    assert third.slot == -1
+    run_all(scheduler)
+    assert third.token_ids[1:] == oracle_continuation([3], 6)
+    # One draft call and one target call per step, never more rows than slots.
+    assert max(size for _, size in engines.calls) <= 2
+    assert sorted(scheduler.free_slots) == [0, 1]
+
+
+def test_each_request_keeps_its_own_k():
+    scheduler, engines = make_scheduler(k=4)
+    plain = scheduler.submit(request([5], 12, num_draft_tokens=0))
+    spec = scheduler.submit(request([6], 12, num_draft_tokens=2))
+    run_all(scheduler)
+    assert plain.stats.num_draft_tokens == 0
+    assert plain.stats.num_target_passes == 12
+    assert spec.stats.num_draft_tokens > 0
+    assert spec.token_ids[1:] == oracle_continuation([6], 12)
+
+
+def test_end_token_stops_and_is_not_emitted():
+    expected = oracle_continuation([4, 4], 30)
+    end_id = expected[10]
+    first_end = expected.index(end_id)
+    scheduler, _ = make_scheduler()
+    s = scheduler.submit(request([4, 4], 30, end_id=end_id, num_draft_tokens=3))
+    run_all(scheduler)
+    assert s.finish_reason == "end"
+    assert s.token_ids[2:] == expected[:first_end]
+
+
+def test_stop_word_ends_generation_with_the_word_included():
+    expected = oracle_continuation([9], 40)
+    text = fake_decode(expected)
+    stop = text[12:15]
+    scheduler, _ = make_scheduler()
+    s = scheduler.submit(request([9], 40, stop_words=[stop]))
+    run_all(scheduler)
+    assert s.finish_reason == "stop"
+    assert s.detokenizer.text == text[: text.index(stop) + len(stop)]
+
+
+def test_context_limit_ends_generation():
+    scheduler, _ = make_scheduler(max_context=16, k=4)
+    s = scheduler.submit(request(list(range(10)), 100))
+    run_all(scheduler)
+    assert s.finish_reason == "length"
+    assert len(s.token_ids) == 17  # the 16 cached positions + the last token
+
+
+def test_cancel_frees_the_slot_at_the_next_step():
+    scheduler, _ = make_scheduler(num_slots=2)
+    a = scheduler.submit(request([1], 50))
+    b = scheduler.submit(request([2], 10))
+    scheduler.step()
+    scheduler.cancel(a)
+    scheduler.step()
+    assert a.finish_reason == "cancelled"
+    assert a.slot == -1
+    assert a not in scheduler.running
+    run_all(scheduler)
+    assert b.token_ids[1:] == oracle_continuation([2], 10)
+
+
+def test_engine_failure_ends_every_request_and_the_loop_goes_on():
+    scheduler, _ = make_scheduler(fail_on_call=3)
+    running = [scheduler.submit(request([i], 20)) for i in range(3)]
+    with pytest.raises(RuntimeError, match="scripted"):
+        run_all(scheduler)
+    ended = scheduler.fail_all()
+    assert {s.id for s in ended} == {s.id for s in running}
+    assert len(scheduler.free_slots) == 4
+    after = scheduler.submit(request([7], 8))
+    run_all(scheduler)
+    assert after.token_ids[1:] == oracle_continuation([7], 8)
+
+
+def test_queue_is_bounded():
+    scheduler, _ = make_scheduler(max_queue=2)
+    scheduler.submit(request([1], 5))
+    scheduler.submit(request([2], 5))
+    with pytest.raises(QueueFull):
+        scheduler.submit(request([3], 5))
+
+
+def test_streamed_chunks_join_to_the_final_text():
+    scheduler, _ = make_scheduler(k=3)
+    scheduler.submit(request([3, 1], 25, stream=True))
+    chunks = [u.chunk.text for u in run_all(scheduler)]
+    assert "".join(chunks) == fake_decode(oracle_continuation([3, 1], 25))

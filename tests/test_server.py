@@ -1,0 +1,181 @@
+"""End to end through the real Triton server: exactness, batching, streaming, bad input."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import hf_greedy_text
+from specdec.client import StreamingClient, generate
+
+pytestmark = pytest.mark.server
+
+PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "<|im_start|>user\nList three uses of copper.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a village at the edge of the forest,",
+    "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n",
+    "Photosynthesis is the process by which",
+    "<|im_start|>user\nÉcris une phrase sur la mer.<|im_end|>\n<|im_start|>assistant\n",
+    "SELECT name, COUNT(*) FROM orders",
+]
+NUM_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def references(hf_target):
+    return [hf_greedy_text(hf_target, p, NUM_TOKENS) for p in PROMPTS]
+
+
+def run_concurrently(url, model, jobs):
+    """jobs: list of (prompt, params) -> results, each on its own gRPC stream."""
+
+    def one(job):
+        prompt, params = job
+        return generate(prompt, url=url, model=model, **params)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, jobs))
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_greedy_equals_transformers_generate(server, references, k):
+    params = dict(max_tokens=NUM_TOKENS, num_draft_tokens=k, exclude_input_in_output=True)
+    results = run_concurrently(server.url, "ensemble", [(p, params) for p in PROMPTS])
+    for prompt, result, expected in zip(PROMPTS, results, references, strict=True):
+        assert result.error is None, result.error
+        assert result.text == expected, prompt
+
+
+def test_sixteen_concurrent_requests_give_their_solo_text(server):
+    jobs = [
+        (
+            PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)),
+            dict(max_tokens=12 + 3 * i, exclude_input_in_output=True),
+        )
+        for i in range(16)
+    ]
+    together = run_concurrently(server.url, "ensemble", jobs)
+    for (prompt, params), result in zip(jobs, together, strict=True):
+        alone = generate(prompt, url=server.url, **params)
+        assert result.error is None and alone.error is None
+        assert result.text == alone.text
+
+
+@pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
+def test_streamed_chunks_join_to_the_non_streamed_text(server, model):
+    prompt = PROMPTS[2]
+    common = dict(max_tokens=40, num_draft_tokens=3, exclude_input_in_output=True)
+    streamed = generate(prompt, url=server.url, model=model, stream=True, **common)
+    whole = generate(prompt, url=server.url, model=model, stream=False, **common)
+    assert streamed.error is None and whole.error is None
+    assert len(streamed.chunks) > 1 and len(whole.chunks) == 1
+    assert streamed.text == whole.text
+
+
+@pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
+def test_non_streamed_output_starts_with_the_prompt(server, model):
+    prompt = PROMPTS[0]
+    full = generate(prompt, url=server.url, model=model, max_tokens=8)
+    new = generate(prompt, url=server.url, model=model, max_tokens=8, exclude_input_in_output=True)
+    assert full.text == prompt + new.text
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_self_draft_accepts_everything(self_draft_server, k):
+    num_passes = 6
+    result = generate(
+        PROMPTS[3],
+        url=self_draft_server.url,
+        max_tokens=num_passes * (k + 1),
+        num_draft_tokens=k,
+        end_id=-1,
+        return_perf_metrics=True,
+        return_num_output_tokens=True,
+    )
+    assert result.error is None, result.error
+    metrics = result.metrics
+    assert metrics["acceptance_rate"] == 1.0
+    assert metrics["total_draft_tokens"] == num_passes * k
+    assert metrics["total_accepted_draft_tokens"] == num_passes * k
+    assert metrics["num_output_tokens"] == num_passes * (k + 1)  # k + 1 tokens per pass
+
+
+def test_perf_metrics_cover_the_whole_request(server):
+    result = generate(
+        PROMPTS[5],
+        url=server.url,
+        max_tokens=30,
+        num_draft_tokens=4,
+        stream=True,
+        return_perf_metrics=True,
+    )
+    metrics = result.metrics
+    assert set(metrics) == {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens"}
+    assert metrics["total_draft_tokens"] >= 4 * 5  # several passes, not the last one only
+    assert metrics["acceptance_rate"] == pytest.approx(
+        metrics["total_accepted_draft_tokens"] / metrics["total_draft_tokens"]
+    )
+
+
+def test_seeded_sampling_is_reproducible(server):
+    params = dict(
+        max_tokens=32, temperature=0.9, top_p=0.95, num_draft_tokens=3, exclude_input_in_output=True
+    )
+    first = generate(PROMPTS[3], url=server.url, seed=1234, **params)
+    again = generate(PROMPTS[3], url=server.url, seed=1234, **params)
+    other = generate(PROMPTS[3], url=server.url, seed=99, **params)
+    assert first.error is None
+    assert first.text == again.text
+    assert first.text != other.text
+
+
+BAD_INPUTS = [
+    ("max_tokens", dict(max_tokens=0)),
+    ("max_tokens", dict(max_tokens=-5)),
+    ("temperature", dict(max_tokens=8, temperature=-1.0)),
+    ("temperature", dict(max_tokens=8, temperature=float("nan"))),
+    ("top_p", dict(max_tokens=8, top_p=0.0)),
+    ("top_p", dict(max_tokens=8, top_p=1.01)),
+    ("num_draft_tokens", dict(max_tokens=8, num_draft_tokens=99)),
+    ("beam_width", dict(max_tokens=8, beam_width=4)),
+]
+
+
+@pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
+def test_bad_input_is_refused_and_the_batch_goes_on(server, references, model):
+    with StreamingClient(server.url) as runner:
+        pool = ThreadPoolExecutor(1)
+        running = pool.submit(
+            runner.generate,
+            PROMPTS[0],
+            max_tokens=NUM_TOKENS,
+            num_draft_tokens=4,
+            exclude_input_in_output=True,
+        )
+        for field, params in BAD_INPUTS:
+            result = generate(PROMPTS[1], url=server.url, model=model, **params)
+            # A gRPC stream carries an error's message only, not its status code.
+            assert result.error is not None, field
+            assert f"{field}:" in result.error.message(), result.error.message()
+        long_prompt = "word " * 1100  # over MAX_CONTEXT=1024 tokens
+        result = generate(long_prompt, url=server.url, model=model, max_tokens=4)
+        assert "text_input:" in result.error.message()
+        assert running.result().text == references[0]
+        pool.shutdown()
+
+
+def test_missing_text_input_is_refused(server):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.url)
+    errors = []
+    client.start_stream(callback=lambda result, error: errors.append(error))
+    max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    max_tokens.set_data_from_numpy(np.array([[4]], dtype=np.int32))
+    client.async_stream_infer("speculative_decoding", [max_tokens])
+    client.stop_stream()
+    assert errors and "text_input" in errors[0].message()
