@@ -13,9 +13,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
+import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,6 +163,70 @@ def server_command(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
 def start(config: ServerConfig, log_file=None) -> subprocess.Popen:
     command, env = server_command(config)
     return subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagedServer:
+    """A server of our own on free loopback ports (tests, benchmarks); stop() ends it."""
+
+    def __init__(self, name: str, env: dict[str, str] | None = None, timeout: float = 300.0):
+        ports = {k: str(free_port()) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
+        self.config = ServerConfig.from_env({**ports, **(env or {})})
+        self.config.run_dir = PROJECT_ROOT / ".run" / name
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.config.run_dir / "server.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = start(self.config, self.log)
+        try:
+            self._wait_ready(timeout)
+        except Exception:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        url = f"http://127.0.0.1:{self.config.http_port}/v2/health/ready"
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"tritonserver exited with {self.process.returncode}; see {self.log_path}"
+                )
+            try:
+                with urllib.request.urlopen(url) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"tritonserver not ready after {timeout} s; see {self.log_path}")
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.config.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.metrics_port}/metrics"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    def __enter__(self) -> ManagedServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def main() -> None:

@@ -75,6 +75,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+MAX_BATCHED_QUERY = 16  # rows with more new tokens than this attend one by one
+
+
+@dataclass
+class BatchedAttention:
+    first: int  # lowest slot of the call
+    span: int  # slots from first to the highest slot of the call
+    width: int  # query positions per slot (the longest short row)
+    keys: int  # key positions read (the longest row's total length)
+    sources: torch.Tensor  # (M,) packed token index of each short-row query
+    dests: torch.Tensor  # (M,) its index in the (span * width) padded layout
+    mask: torch.Tensor  # (span, 1, group * width, keys) bool, True = may attend
+
+
+@dataclass
+class AttentionPlan:
+    batched: BatchedAttention | None
+    looped_rows: list[int]
+
+
 class LlamaEngine:
     """A Llama decoder whose KV cache holds `num_slots` sequences of `max_length` positions."""
 
@@ -134,6 +154,81 @@ class LlamaEngine:
         dtype = self.embed.dtype
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # (N, 1, hd)
 
+    def _row_attention(self, li, q, attn, slot, cache_length, start, end) -> None:
+        """One row against its own slot: for long rows (prefill)."""
+        total = cache_length + (end - start)
+        keys = self.k_cache[li, slot, :, :total]  # (kvh, L, hd)
+        values = self.v_cache[li, slot, :, :total]
+        mask = None
+        if end - start > 1:  # causal within the new tokens; all cached positions visible
+            query_pos = torch.arange(cache_length, total, device=self.device)
+            mask = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1)[None],  # (1, nh, T, hd)
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            enable_gqa=self.config.num_heads != self.config.num_kv_heads,
+        )
+        attn[start:end] = out[0].transpose(0, 1)
+
+    def _plan_attention(self, input_lengths, slot_ids, cache_lengths, starts) -> AttentionPlan:
+        """Short rows share one attention call per layer; long rows (prefill) go one by one.
+
+        The batched call reads the cache through a view of the slot range it spans (no copy);
+        slots in that range that are not in the call are masked and ignored.
+        """
+        short = [r for r, n in enumerate(input_lengths) if n <= MAX_BATCHED_QUERY]
+        looped = [r for r, n in enumerate(input_lengths) if n > MAX_BATCHED_QUERY]
+        if len(short) < 2:
+            return AttentionPlan(None, looped + short)
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        first = min(slot_ids[r] for r in short)
+        span = max(slot_ids[r] for r in short) - first + 1
+        width = max(input_lengths[r] for r in short)  # query positions per slot
+        keys = max(cache_lengths[r] + input_lengths[r] for r in short)
+        sources, dests = [], []
+        allowed = torch.zeros(span, width, keys, dtype=torch.bool)
+        allowed[:, :, 0] = True  # rows of padding attend somewhere finite; never read
+        for r in short:
+            slot, length, cached = slot_ids[r] - first, input_lengths[r], cache_lengths[r]
+            sources.extend(range(starts[r], starts[r] + length))
+            dests.extend(slot * width + t for t in range(length))
+            limits = torch.arange(cached, cached + length)  # each query sees keys <= its pos
+            allowed[slot, :length] = torch.arange(keys)[None, :] <= limits[:, None]
+        mask = allowed[:, None, None].expand(span, 1, group, width, keys)
+        return AttentionPlan(
+            BatchedAttention(
+                first=first, span=span, width=width, keys=keys,
+                sources=torch.tensor(sources, device=self.device),
+                dests=torch.tensor(dests, device=self.device),
+                mask=mask.reshape(span, 1, group * width, keys).to(self.device),
+            ),
+            looped,
+        )
+
+    def _batched_attention(self, li, q, attn, b: BatchedAttention) -> None:
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        padded = q.new_zeros(b.span * b.width, c.num_heads, c.head_dim)
+        padded.index_copy_(0, b.dests, q[b.sources])
+        # (span, width, kvh, group, hd) -> (span, kvh, group * width, hd): a kv head's queries
+        queries = padded.view(b.span, b.width, c.num_kv_heads, group, c.head_dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(
+            b.span, c.num_kv_heads, group * b.width, c.head_dim
+        )
+        window = slice(b.first, b.first + b.span)
+        out = F.scaled_dot_product_attention(
+            queries,
+            self.k_cache[li, window, :, : b.keys],  # (span, kvh, L, hd), a view
+            self.v_cache[li, window, :, : b.keys],
+            attn_mask=b.mask,
+        )
+        out = out.view(b.span, c.num_kv_heads, group, b.width, c.head_dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(b.span * b.width, c.num_heads, c.head_dim)
+        attn[b.sources] = out[b.dests]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -163,6 +258,7 @@ class LlamaEngine:
         for length in input_lengths:
             starts.append(starts[-1] + length)
 
+        plan = self._plan_attention(input_lengths, slot_ids, cache_lengths, starts)
         x = F.embedding(input_ids.to(self.device), self.embed)  # (N, H)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
@@ -177,23 +273,11 @@ class LlamaEngine:
             self.k_cache[li][token_slots, :, positions] = k  # (N, kvh, hd)
             self.v_cache[li][token_slots, :, positions] = v
             attn = torch.empty_like(q)  # (N, nh, hd)
-            for row, slot in enumerate(slot_ids):
-                s, e = starts[row], starts[row + 1]
-                total = cache_lengths[row] + (e - s)
-                keys = self.k_cache[li, slot, :, :total]  # (kvh, L, hd)
-                values = self.v_cache[li, slot, :, :total]
-                mask = None
-                if e - s > 1:  # causal within the new tokens; all cached positions visible
-                    query_pos = torch.arange(cache_lengths[row], total, device=self.device)
-                    mask = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None]
-                out = F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1)[None],  # (1, nh, T, hd)
-                    keys[None],
-                    values[None],
-                    attn_mask=mask,
-                    enable_gqa=c.num_heads != c.num_kv_heads,
-                )
-                attn[s:e] = out[0].transpose(0, 1)
+            if plan.batched is not None:
+                self._batched_attention(li, q, attn, plan.batched)
+            for row in plan.looped_rows:
+                self._row_attention(li, q, attn, slot_ids[row], cache_lengths[row],
+                                    starts[row], starts[row + 1])
             x = x + F.linear(attn.reshape(n, q_size), layer["o"])
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)

@@ -10,6 +10,7 @@ rolled back by a shorter cache length. This module never sees Triton: `Engines` 
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -90,7 +91,9 @@ class SpeculativeScheduler:
         self.decode = decode
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self.free_slots = list(range(config.num_slots - 1, -1, -1))
+        # A heap: the lowest free slot first, so a batch's slots stay close together (the
+        # engine's batched attention reads the slot range it spans).
+        self.free_slots = list(range(config.num_slots))
         self._ids = itertools.count()
 
     # -- joining and leaving ---------------------------------------------------------------
@@ -123,7 +126,7 @@ class SpeculativeScheduler:
 
     def _release(self, sequence: Sequence) -> None:
         if sequence.slot >= 0:
-            self.free_slots.append(sequence.slot)
+            heapq.heappush(self.free_slots, sequence.slot)
             sequence.slot = -1
 
     def _admit(self) -> None:
@@ -131,7 +134,7 @@ class SpeculativeScheduler:
             sequence = self.waiting.popleft()
             if sequence.cancelled:
                 continue
-            sequence.slot = self.free_slots.pop()
+            sequence.slot = heapq.heappop(self.free_slots)
             self.running.append(sequence)
 
     def _drop_cancelled(self) -> list[Sequence]:

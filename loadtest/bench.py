@@ -1,0 +1,227 @@
+"""Speculative against plain decoding, side by side, on one running server.
+
+    .venv/bin/python loadtest/bench.py --modes k0,k4 --concurrency 1 --max-tokens 128
+
+For each concurrency level, each mode runs in turn on the same server (interleaved, so drift
+hits every mode alike): `concurrency` workers, each on its own gRPC stream, send
+`--requests-per-worker` streamed greedy requests back to back. Per level and mode it records
+output tokens/s (all output tokens / wall time), p50/p99 request latency, time to first token
+and inter-chunk latency, and the acceptance rate. Writes results/<name>.json, .csv and .png
+and prints tokens/s ratios against k = 0. Without --url it starts its own server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdec.client import StreamingClient
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+MODES: dict[str, int | None] = {"k0": 0, "k2": 2, "k4": 4, "k8": 8, "adaptive": None}
+
+
+@dataclass
+class BenchConfig:
+    modes: list[str]
+    concurrency: list[int]
+    max_tokens: int = 128
+    requests_per_worker: int = 2
+    url: str | None = None  # None: start a server of our own
+    model: str = "ensemble"
+    prompts: Path = PROJECT_ROOT / "loadtest" / "prompts.jsonl"
+    out_dir: Path = PROJECT_ROOT / "results"
+    name: str = "bench"
+    server_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    concurrency: int
+    num_requests: int
+    num_errors: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    acceptance_rate: float
+    latency_p50_s: float
+    latency_p99_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    inter_chunk_p50_s: float
+    inter_chunk_p99_s: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def load_prompts(path: Path) -> list[str]:
+    """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines."""
+    from specdec.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
+
+
+def run_level(url: str, model: str, mode: str, concurrency: int, prompts: list[str],
+              config: BenchConfig) -> LevelResult:
+    results, lock = [], threading.Lock()
+
+    def worker(index: int) -> None:
+        with StreamingClient(url, model) as client:
+            for r in range(config.requests_per_worker):
+                prompt = prompts[(index * config.requests_per_worker + r) % len(prompts)]
+                result = client.generate(
+                    prompt, max_tokens=config.max_tokens, stream=True,
+                    num_draft_tokens=MODES[mode], return_perf_metrics=True,
+                    return_num_output_tokens=True, exclude_input_in_output=True,
+                )
+                with lock:
+                    results.append(result)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r.error is None]
+    tokens = sum(int(r.metrics.get("num_output_tokens", 0)) for r in ok)
+    drafted = sum(r.metrics.get("total_draft_tokens", 0) for r in ok)
+    accepted = sum(r.metrics.get("total_accepted_draft_tokens", 0) for r in ok)
+    gaps = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    latencies = [r.elapsed for r in ok]
+    ttfts = [r.time_to_first_token for r in ok if r.time_to_first_token is not None]
+    return LevelResult(
+        mode=mode, concurrency=concurrency, num_requests=len(results),
+        num_errors=len(results) - len(ok), output_tokens=tokens, wall_s=wall,
+        tokens_per_s=tokens / wall, acceptance_rate=accepted / drafted if drafted else 0.0,
+        latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        inter_chunk_p50_s=percentile(gaps, 50), inter_chunk_p99_s=percentile(gaps, 99),
+    )
+
+
+def ratio_table(levels: list[LevelResult], modes: list[str]) -> str:
+    by_key = {(r.mode, r.concurrency): r for r in levels}
+    concurrencies = sorted({r.concurrency for r in levels})
+    header = "| concurrency | " + " | ".join(f"{m} tok/s" for m in modes)
+    if "k0" in modes:
+        header += " | " + " | ".join(f"{m}/k0" for m in modes if m != "k0")
+    lines = [header + " |", "|" + "---|" * (header.count("|"))]
+    for c in concurrencies:
+        row = [f"{by_key[(m, c)].tokens_per_s:.1f}" for m in modes]
+        if "k0" in modes:
+            base = by_key[("k0", c)].tokens_per_s
+            row += [f"{by_key[(m, c)].tokens_per_s / base:.2f}x" for m in modes if m != "k0"]
+        lines.append(f"| {c} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(levels: list[LevelResult], modes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in modes:
+        rows = sorted((r for r in levels if r.mode == mode), key=lambda r: r.concurrency)
+        xs = [r.concurrency for r in rows]
+        left.plot(xs, [r.tokens_per_s for r in rows], marker="o", label=mode)
+        right.plot(xs, [r.latency_p99_s for r in rows], marker="o", label=mode)
+    for axis, title in ((left, "output tokens/s"), (right, "p99 request latency (s)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_outputs(levels: list[LevelResult], config: BenchConfig, meta: dict) -> Path:
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    base = config.out_dir / config.name
+    rows = [asdict(r) for r in levels]
+    base.with_suffix(".json").write_text(json.dumps({"meta": meta, "levels": rows}, indent=2))
+    with base.with_suffix(".csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(levels, config.modes, base.with_suffix(".png"))
+    return base
+
+
+def run(config: BenchConfig) -> list[LevelResult]:
+    prompts = load_prompts(config.prompts)
+    server = None
+    if config.url is None:
+        from specdec.launch import ManagedServer
+
+        server = ManagedServer(f"bench-{config.name}", config.server_env)
+    url = config.url or server.url
+    try:
+        run_level(url, config.model, config.modes[0], 1, prompts[:1],
+                  BenchConfig(modes=[], concurrency=[], max_tokens=8, requests_per_worker=1))
+        levels = []
+        for concurrency in config.concurrency:
+            for mode in config.modes:
+                level = run_level(url, config.model, mode, concurrency, prompts, config)
+                levels.append(level)
+                print(f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s  "
+                      f"p99 latency {level.latency_p99_s:6.2f} s  "
+                      f"acceptance {level.acceptance_rate:.2f}  errors {level.num_errors}",
+                      flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    meta = {
+        "max_tokens": config.max_tokens,
+        "requests_per_worker": config.requests_per_worker,
+        "model": config.model,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "server_env": config.server_env,
+    }
+    base = write_outputs(levels, config, meta)
+    print(ratio_table(levels, config.modes))
+    print(f"wrote {base}.json, .csv, .png")
+    return levels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="k0,k2,k4,adaptive",
+                        help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-worker", type=int, default=2)
+    parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
+    parser.add_argument("--model", default="ensemble")
+    parser.add_argument("--name", default="bench", help="results/<name>.{json,csv,png}")
+    parser.add_argument("--server-env", default="",
+                        help="for the own server, e.g. DRAFT_CHECKPOINT=models/x,NUM_SLOTS=64")
+    args = parser.parse_args()
+    env = dict(item.split("=", 1) for item in args.server_env.split(",") if item)
+    run(BenchConfig(
+        modes=args.modes.split(","), concurrency=[int(c) for c in args.concurrency.split(",")],
+        max_tokens=args.max_tokens, requests_per_worker=args.requests_per_worker, url=args.url,
+        model=args.model, name=args.name, server_env=env,
+    ))
+
+
+if __name__ == "__main__":
+    main()
