@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -75,8 +75,9 @@ def load_prompts(path: Path) -> list[str]:
     return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
 
 
-def run_level(url: str, model: str, mode: str, concurrency: int, prompts: list[str],
-              config: BenchConfig) -> LevelResult:
+def run_level(
+    url: str, model: str, mode: str, concurrency: int, prompts: list[str], config: BenchConfig
+) -> LevelResult:
     results, lock = [], threading.Lock()
 
     def worker(index: int) -> None:
@@ -84,9 +85,13 @@ def run_level(url: str, model: str, mode: str, concurrency: int, prompts: list[s
             for r in range(config.requests_per_worker):
                 prompt = prompts[(index * config.requests_per_worker + r) % len(prompts)]
                 result = client.generate(
-                    prompt, max_tokens=config.max_tokens, stream=True,
-                    num_draft_tokens=MODES[mode], return_perf_metrics=True,
-                    return_num_output_tokens=True, exclude_input_in_output=True,
+                    prompt,
+                    max_tokens=config.max_tokens,
+                    stream=True,
+                    num_draft_tokens=MODES[mode],
+                    return_perf_metrics=True,
+                    return_num_output_tokens=True,
+                    exclude_input_in_output=True,
                 )
                 with lock:
                     results.append(result)
@@ -102,16 +107,24 @@ def run_level(url: str, model: str, mode: str, concurrency: int, prompts: list[s
     tokens = sum(int(r.metrics.get("num_output_tokens", 0)) for r in ok)
     drafted = sum(r.metrics.get("total_draft_tokens", 0) for r in ok)
     accepted = sum(r.metrics.get("total_accepted_draft_tokens", 0) for r in ok)
-    gaps = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    gaps = [b - a for r in ok for a, b in itertools.pairwise(r.chunk_times)]
     latencies = [r.elapsed for r in ok]
     ttfts = [r.time_to_first_token for r in ok if r.time_to_first_token is not None]
     return LevelResult(
-        mode=mode, concurrency=concurrency, num_requests=len(results),
-        num_errors=len(results) - len(ok), output_tokens=tokens, wall_s=wall,
-        tokens_per_s=tokens / wall, acceptance_rate=accepted / drafted if drafted else 0.0,
-        latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
-        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-        inter_chunk_p50_s=percentile(gaps, 50), inter_chunk_p99_s=percentile(gaps, 99),
+        mode=mode,
+        concurrency=concurrency,
+        num_requests=len(results),
+        num_errors=len(results) - len(ok),
+        output_tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens / wall,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        latency_p50_s=percentile(latencies, 50),
+        latency_p99_s=percentile(latencies, 99),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        inter_chunk_p50_s=percentile(gaps, 50),
+        inter_chunk_p99_s=percentile(gaps, 99),
     )
 
 
@@ -175,17 +188,25 @@ def run(config: BenchConfig) -> list[LevelResult]:
         server = ManagedServer(f"bench-{config.name}", config.server_env)
     url = config.url or server.url
     try:
-        run_level(url, config.model, config.modes[0], 1, prompts[:1],
-                  BenchConfig(modes=[], concurrency=[], max_tokens=8, requests_per_worker=1))
+        run_level(
+            url,
+            config.model,
+            config.modes[0],
+            1,
+            prompts[:1],
+            BenchConfig(modes=[], concurrency=[], max_tokens=8, requests_per_worker=1),
+        )
         levels = []
         for concurrency in config.concurrency:
             for mode in config.modes:
                 level = run_level(url, config.model, mode, concurrency, prompts, config)
                 levels.append(level)
-                print(f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s  "
-                      f"p99 latency {level.latency_p99_s:6.2f} s  "
-                      f"acceptance {level.acceptance_rate:.2f}  errors {level.num_errors}",
-                      flush=True)
+                print(
+                    f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s  "
+                    f"p99 latency {level.latency_p99_s:6.2f} s  "
+                    f"acceptance {level.acceptance_rate:.2f}  errors {level.num_errors}",
+                    flush=True,
+                )
     finally:
         if server is not None:
             server.stop()
@@ -204,23 +225,34 @@ def run(config: BenchConfig) -> list[LevelResult]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="k0,k2,k4,adaptive",
-                        help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument(
+        "--modes", default="k0,k2,k4,adaptive", help=f"comma-separated, of {', '.join(MODES)}"
+    )
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests-per-worker", type=int, default=2)
     parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
     parser.add_argument("--model", default="ensemble")
     parser.add_argument("--name", default="bench", help="results/<name>.{json,csv,png}")
-    parser.add_argument("--server-env", default="",
-                        help="for the own server, e.g. DRAFT_CHECKPOINT=models/x,NUM_SLOTS=64")
+    parser.add_argument(
+        "--server-env",
+        default="",
+        help="for the own server, e.g. DRAFT_CHECKPOINT=models/x,NUM_SLOTS=64",
+    )
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.server_env.split(",") if item)
-    run(BenchConfig(
-        modes=args.modes.split(","), concurrency=[int(c) for c in args.concurrency.split(",")],
-        max_tokens=args.max_tokens, requests_per_worker=args.requests_per_worker, url=args.url,
-        model=args.model, name=args.name, server_env=env,
-    ))
+    run(
+        BenchConfig(
+            modes=args.modes.split(","),
+            concurrency=[int(c) for c in args.concurrency.split(",")],
+            max_tokens=args.max_tokens,
+            requests_per_worker=args.requests_per_worker,
+            url=args.url,
+            model=args.model,
+            name=args.name,
+            server_env=env,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -200,7 +200,10 @@ class LlamaEngine:
         mask = allowed[:, None, None].expand(span, 1, group, width, keys)
         return AttentionPlan(
             BatchedAttention(
-                first=first, span=span, width=width, keys=keys,
+                first=first,
+                span=span,
+                width=width,
+                keys=keys,
                 sources=torch.tensor(sources, device=self.device),
                 dests=torch.tensor(dests, device=self.device),
                 mask=mask.reshape(span, 1, group * width, keys).to(self.device),
@@ -276,8 +279,9 @@ class LlamaEngine:
             if plan.batched is not None:
                 self._batched_attention(li, q, attn, plan.batched)
             for row in plan.looped_rows:
-                self._row_attention(li, q, attn, slot_ids[row], cache_lengths[row],
-                                    starts[row], starts[row + 1])
+                self._row_attention(
+                    li, q, attn, slot_ids[row], cache_lengths[row], starts[row], starts[row + 1]
+                )
             x = x + F.linear(attn.reshape(n, q_size), layer["o"])
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from specdec.controller import AdaptiveController, Choice
 from specdec.detokenizer import Chunk, Decode, IncrementalDetokenizer
 from specdec.engine import EngineBatch, EngineResult
 from specdec.rejection import Verdict, rejection_sample, verify_greedy
@@ -34,7 +36,7 @@ class SchedulerConfig:
     num_slots: int  # KV cache slots per engine: the most sequences running at once
     max_context: int  # positions per slot
     max_draft_tokens: int  # upper bound on k
-    default_draft_tokens: int  # k for requests that do not set num_draft_tokens
+    default_draft_tokens: int | None  # k for requests without num_draft_tokens; None: adaptive
     max_queue: int = 1024  # waiting requests beyond this are refused
 
 
@@ -49,6 +51,19 @@ class SequenceStats:
         if not self.num_draft_tokens:
             return 0.0
         return self.num_accepted_draft_tokens / self.num_draft_tokens
+
+
+@dataclass
+class IterationStats:
+    """What the last step did, for metrics."""
+
+    batch_size: int = 0
+    num_waiting: int = 0
+    chosen_k: int = 0  # the adaptive rows' k
+    num_draft_rows: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    emitted_per_row: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +110,8 @@ class SpeculativeScheduler:
         # engine's batched attention reads the slot range it spans).
         self.free_slots = list(range(config.num_slots))
         self._ids = itertools.count()
+        self.controller = AdaptiveController(config.max_draft_tokens)
+        self.last_iteration = IterationStats()
 
     # -- joining and leaving ---------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -151,15 +168,31 @@ class SpeculativeScheduler:
         return bool(self.running or self.waiting)
 
     # -- one iteration ---------------------------------------------------------------------
-    def choose_num_draft_tokens(self, sequence: Sequence) -> int:
-        request = sequence.request
-        k = request.num_draft_tokens
-        if k is None:
-            k = self.config.default_draft_tokens
-        # No proposals past max_tokens or past the end of the slot.
-        remaining = request.max_tokens - sequence.num_output_tokens - 1
+    def _cap(self, sequence: Sequence, k: int) -> int:
+        """No proposals past max_tokens or past the end of the slot."""
+        remaining = sequence.request.max_tokens - sequence.num_output_tokens - 1
         room = self.config.max_context - len(sequence.token_ids)
         return max(0, min(k, self.config.max_draft_tokens, remaining, room))
+
+    def _choose_num_draft_tokens(self, batch: list[Sequence]) -> Choice:
+        """Fixed k where the request (or the server default) sets one; the controller's
+        goodput choice for the others."""
+        default = self.config.default_draft_tokens
+        adaptive = []
+        for sequence in batch:
+            k = sequence.request.num_draft_tokens
+            k = default if k is None else k
+            if k is None:
+                adaptive.append(sequence)
+            else:
+                sequence.num_draft_tokens = self._cap(sequence, k)
+        fixed_ks = [s.num_draft_tokens for s in batch if s not in adaptive]
+        choice = self.controller.choose(len(adaptive), fixed_ks)
+        for sequence in adaptive:
+            sequence.num_draft_tokens = self._cap(sequence, choice.k)
+        if choice.probe and adaptive:
+            adaptive[0].num_draft_tokens = self._cap(adaptive[0], 1)
+        return choice
 
     def step(self) -> list[Update]:
         """Runs one draft call and one target call over the running batch."""
@@ -168,11 +201,19 @@ class SpeculativeScheduler:
         batch = list(self.running)
         if not batch:
             return []
-        for sequence in batch:
-            sequence.num_draft_tokens = self.choose_num_draft_tokens(sequence)
+        choice = self._choose_num_draft_tokens(batch)
         drafting = [s for s in batch if s.num_draft_tokens > 0]
         proposals = self._propose(drafting) if drafting else {}
-        result = self.engines.target(self._target_batch(batch, proposals))
+        target_batch = self._target_batch(batch, proposals)
+        start = time.perf_counter()
+        result = self.engines.target(target_batch)
+        self.controller.observe_target(len(target_batch.input_ids), time.perf_counter() - start)
+        stats = IterationStats(
+            batch_size=len(batch),
+            num_waiting=len(self.waiting),
+            chosen_k=choice.k,
+            num_draft_rows=len(drafting),
+        )
         updates = []
         probs_row = 0
         for row, sequence in enumerate(batch):
@@ -184,8 +225,15 @@ class SpeculativeScheduler:
                 target_probs = torch.from_numpy(result.probs[probs_row : probs_row + k + 1])
                 probs_row += k + 1
                 verdict = rejection_sample(draft_ids, draft_probs, target_probs, sequence.generator)
+            self.controller.observe_verdict(k, verdict.num_accepted)
+            before = sequence.num_output_tokens
             updates.append(self._commit(sequence, verdict))
+            stats.num_draft_tokens += k
+            stats.num_accepted_draft_tokens += verdict.num_accepted
+            stats.emitted_per_row.append(sequence.num_output_tokens - before)
+        self.controller.end_iteration(drafted=bool(drafting))
         self.running = [s for s in self.running if s.finish_reason is None]
+        self.last_iteration = stats
         return updates
 
     def _propose(self, drafting: list[Sequence]) -> dict[int, tuple[list[int], torch.Tensor]]:
@@ -195,7 +243,12 @@ class SpeculativeScheduler:
             cache_lengths=[s.draft_cache_length for s in drafting],
             num_steps=[s.num_draft_tokens for s in drafting],
         )
+        start = time.perf_counter()
         result = self.engines.draft(batch)
+        if int(batch.input_lengths.max()) <= 2:  # a catch-up or prefill would blur the cost
+            self.controller.observe_draft(
+                len(drafting), int(batch.num_steps.max()), time.perf_counter() - start
+            )
         proposals = {}
         probs_row = 0
         for row, sequence in enumerate(drafting):

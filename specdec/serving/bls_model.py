@@ -54,6 +54,11 @@ class TritonEngines:
         return self._call(self.target_model, batch)
 
 
+def parse_default_k(value: str) -> int | None:
+    """The default_num_draft_tokens parameter: "adaptive" or a fixed k."""
+    return None if value.strip().lower() == "adaptive" else int(value)
+
+
 def _tensor(name: str, value, dtype) -> pb_utils.Tensor:
     return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))  # (1, 1): batch of one
 
@@ -68,7 +73,7 @@ class TritonPythonModel:
             num_slots=int(params["num_slots"]),
             max_context=int(params["max_context"]),
             max_draft_tokens=int(params["max_num_draft_tokens"]),
-            default_draft_tokens=int(params["default_num_draft_tokens"]),
+            default_draft_tokens=parse_default_k(params["default_num_draft_tokens"]),
             max_queue=int(params.get("max_queue", 1024)),
         )
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])

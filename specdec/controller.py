@@ -1,0 +1,174 @@
+"""Adaptive k: choose the draft length that maximises goodput at the current load.
+
+Speculation spends spare compute; under load there is none, and a fixed k gets slower than
+plain decoding. Acceptance alone cannot see that, so the controller maximises goodput,
+
+    goodput(k) = expected emitted tokens / expected step time,
+
+from what it measures online: the acceptance rate at each draft position (given that the
+positions before it were accepted) over a recent window, the draft's cost per step at the
+current number of draft rows, and the target's cost per call by the number of tokens it
+verifies. Expected tokens for a row at k: 1 + sum_{j<=k} prod_{i<=j} alpha_i
+(Leviathan et al., arXiv 2211.17192, section 3.4, with per-position rates).
+k = 0 skips the draft call, so it costs what plain decoding costs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+
+class CostCurve:
+    """Seconds per call by a size (tokens, rows), learnt online: an EMA per size observed,
+    linear interpolation between sizes, a least-squares line beyond them.
+
+    Extrapolation errs towards trying a size; once tried, the size is measured, so a wrong
+    guess corrects itself in one iteration (a pessimistic guess would never be tested).
+    """
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.sizes: list[int] = []
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size in self.seconds:
+            self.seconds[size] += self.weight * (seconds - self.seconds[size])
+        else:
+            bisect.insort(self.sizes, size)
+            self.seconds[size] = seconds
+
+    def _line(self) -> tuple[float, float]:
+        xs = self.sizes
+        ys = [self.seconds[x] for x in xs]
+        if len(xs) == 1:
+            return 0.0, ys[0] / xs[0]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        covariance = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+        slope = max(0.0, covariance / var)
+        return max(0.0, mean_y - slope * mean_x), slope
+
+    def estimate(self, size: int) -> float | None:
+        if not self.sizes:
+            return None
+        if size in self.seconds:
+            return self.seconds[size]
+        i = bisect.bisect_left(self.sizes, size)
+        if 0 < i < len(self.sizes):
+            lo, hi = self.sizes[i - 1], self.sizes[i]
+            share = (size - lo) / (hi - lo)
+            return self.seconds[lo] + share * (self.seconds[hi] - self.seconds[lo])
+        intercept, slope = self._line()
+        guess = intercept + slope * size
+        if i == 0:
+            return min(guess, self.seconds[self.sizes[0]])
+        return max(guess, self.seconds[self.sizes[-1]])
+
+
+class AcceptanceWindow:
+    """alpha_i: P(draft token i accepted | tokens before it accepted), over a decaying window."""
+
+    def __init__(self, max_k: int, decay: float = 0.9, prior: float = 0.5) -> None:
+        self.decay = decay
+        self.prior = prior
+        self.accepted = [0.0] * max_k
+        self.tried = [0.0] * max_k
+
+    def observe(self, k: int, num_accepted: int) -> None:
+        for i in range(min(k, num_accepted + 1)):  # positions after a rejection are unseen
+            self.tried[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def end_iteration(self) -> None:
+        self.accepted = [a * self.decay for a in self.accepted]
+        self.tried = [t * self.decay for t in self.tried]
+
+    def rates(self) -> list[float]:
+        """Per position; an unseen position borrows the rate of the last seen one."""
+        rates, last = [], self.prior
+        for accepted, tried in zip(self.accepted, self.tried, strict=True):
+            if tried > 0.5:
+                last = accepted / tried
+            rates.append(last)
+        return rates
+
+    def seen(self, position: int) -> bool:
+        return self.tried[position] > 0.5
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Expected tokens one row emits per pass with k draft tokens."""
+    total, survive = 1.0, 1.0
+    for alpha in rates[:k]:
+        survive *= alpha
+        total += survive
+    return total
+
+
+@dataclass
+class Choice:
+    k: int  # for every adaptive row
+    probe: bool  # give one adaptive row k = 1 this iteration to refresh alpha_1
+    goodput: float  # expected tokens per second of the chosen plan (0 if costs unknown)
+
+
+class AdaptiveController:
+    def __init__(self, max_k: int, probe_every: int = 64) -> None:
+        self.max_k = max_k
+        self.probe_every = probe_every
+        self.acceptance = AcceptanceWindow(max_k)
+        self.draft_step_cost = CostCurve()  # by number of draft rows
+        self.target_cost = CostCurve()  # by number of tokens verified
+        self.iterations_without_draft = 0
+
+    # -- measurements ------------------------------------------------------------------------
+    def observe_draft(self, num_rows: int, num_steps: int, seconds: float) -> None:
+        self.draft_step_cost.observe(num_rows, seconds / num_steps)
+
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        self.target_cost.observe(num_tokens, seconds)
+
+    def observe_verdict(self, k: int, num_accepted: int) -> None:
+        self.acceptance.observe(k, num_accepted)
+
+    def end_iteration(self, drafted: bool) -> None:
+        self.acceptance.end_iteration()
+        self.iterations_without_draft = 0 if drafted else self.iterations_without_draft + 1
+
+    # -- the choice --------------------------------------------------------------------------
+    def choose(self, num_adaptive: int, fixed_ks: list[int]) -> Choice:
+        """k for the adaptive rows, given the k of the rows that fixed their own."""
+        if num_adaptive == 0:
+            return Choice(0, False, 0.0)
+        if not self.acceptance.seen(0):
+            return Choice(0, True, 0.0)  # nothing known yet: probe before speculating
+        rates = self.acceptance.rates()
+        best = Choice(0, False, -1.0)
+        for k in range(self.max_k + 1):
+            goodput = self._goodput(k, num_adaptive, fixed_ks, rates)
+            if goodput is None:  # a cost never measured: try it once if it may pay
+                return Choice(k, False, 0.0)
+            if goodput > best.goodput:
+                best = Choice(k, False, goodput)
+        if best.k == 0 and self.iterations_without_draft >= self.probe_every:
+            best.probe = True
+        return best
+
+    def _goodput(self, k: int, num_adaptive: int, fixed_ks: list[int], rates) -> float | None:
+        tokens = num_adaptive * expected_tokens(rates, k)
+        tokens += sum(expected_tokens(rates, f) for f in fixed_ks)
+        verified = num_adaptive * (k + 1) + sum(f + 1 for f in fixed_ks)
+        target = self.target_cost.estimate(verified)
+        draft_rows = (num_adaptive if k else 0) + sum(1 for f in fixed_ks if f)
+        draft_steps = max([k] + fixed_ks)
+        draft = 0.0
+        if draft_rows:
+            step = self.draft_step_cost.estimate(draft_rows)
+            if step is None:
+                return None
+            draft = step * draft_steps
+        if target is None:
+            return None
+        return tokens / (target + draft)
