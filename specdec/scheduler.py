@@ -111,7 +111,7 @@ class SpeculativeScheduler:
         self.free_slots = list(range(config.num_slots))
         self._ids = itertools.count()
         self.controller = AdaptiveController(config.max_draft_tokens)
-        self.last_iteration = IterationStats()
+        self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
 
     # -- joining and leaving ---------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -196,6 +196,7 @@ class SpeculativeScheduler:
 
     def step(self) -> list[Update]:
         """Runs one draft call and one target call over the running batch."""
+        self.last_iteration = None
         self._drop_cancelled()
         self._admit()
         batch = list(self.running)

@@ -18,6 +18,7 @@ from specdec.engine import EngineBatch, EngineResult
 from specdec.request import InvalidInput, parse_request
 from specdec.scheduler import QueueFull, SchedulerConfig, Sequence, SpeculativeScheduler, Update
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
+from specdec.serving.metrics import LoopMetrics
 from specdec.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -79,6 +80,9 @@ class TritonPythonModel:
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
         self.inputs = input_names(args)
+        self.metrics = LoopMetrics(
+            args["model_name"], self.config.max_draft_tokens, self.config.num_slots
+        )
         # Sequence id -> (request, response sender); guarded by self.lock with the scheduler.
         self.clients: dict[int, tuple[object, object]] = {}
         self.lock = threading.Condition()
@@ -105,10 +109,13 @@ class TritonPythonModel:
                     self.clients[sequence.id] = (request, sender)
                     self.lock.notify()
             except InvalidInput as error:
+                self.metrics.finished("invalid")
                 self._send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
             except QueueFull as error:
+                self.metrics.finished("rejected")
                 self._send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
             except Exception as error:
+                self.metrics.finished("error")
                 self._send_error(sender, f"speculative_decoding: {error}")
         return None
 
@@ -134,10 +141,18 @@ class TritonPythonModel:
                 with self.lock:
                     for sequence in self.scheduler.fail_all():
                         self._end(sequence, f"speculative_decoding: {error}")
+                        self.metrics.finished("error")
                 continue
             with self.lock:
                 for update in updates:
                     self._respond(update)
+                    if update.finished:
+                        self.metrics.finished(update.sequence.finish_reason)
+                if self.scheduler.last_iteration is not None:
+                    self.metrics.record_iteration(self.scheduler.last_iteration)
+                self.metrics.update_queue(
+                    len(self.scheduler.free_slots), len(self.scheduler.waiting)
+                )
 
     def _mark_cancelled(self) -> None:
         """Once per iteration (it crosses a process boundary): drop cancelled streams."""
@@ -146,6 +161,7 @@ class TritonPythonModel:
             if request.is_cancelled():
                 self.scheduler.cancel(sequence)
                 self._end(sequence, "request cancelled", pb_utils.TritonError.CANCELLED)
+                self.metrics.finished("cancelled")
 
     def _end(self, sequence: Sequence, message: str, code=None) -> None:
         client = self.clients.pop(sequence.id, None)
@@ -204,3 +220,4 @@ class TritonPythonModel:
         with self.lock:
             for sequence in self.scheduler.fail_all("shutdown"):
                 self._end(sequence, "server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+                self.metrics.finished("shutdown")

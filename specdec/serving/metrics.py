@@ -1,0 +1,77 @@
+"""Prometheus metrics of the speculative loop, on Triton's metrics port (/metrics)."""
+
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+from specdec.scheduler import IterationStats
+
+OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
+
+
+class LoopMetrics:
+    def __init__(self, model: str, max_k: int, num_slots: int) -> None:
+        labels = {"model": model}
+        self.families = []  # a family must outlive its metrics
+
+        def family(name, description, kind):
+            created = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self.families.append(created)
+            return created
+
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        self.draft_tokens = family(
+            "specdec_draft_tokens_total", "Draft tokens proposed", counter
+        ).Metric(labels=labels)
+        self.accepted_tokens = family(
+            "specdec_accepted_draft_tokens_total", "Draft tokens accepted by the target", counter
+        ).Metric(labels=labels)
+        self.target_passes = family(
+            "specdec_target_passes_total",
+            "Sequences verified by the target (one per sequence per iteration)",
+            counter,
+        ).Metric(labels=labels)
+        self.iterations = family(
+            "specdec_iterations_total", "Loop iterations (one target call each)", counter
+        ).Metric(labels=labels)
+        self.emitted_tokens = family(
+            "specdec_emitted_tokens_total", "Output tokens emitted", counter
+        ).Metric(labels=labels)
+        requests = family("specdec_requests_total", "Finished requests by outcome", counter)
+        self.requests = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
+        self.batch_size = family(
+            "specdec_running_batch_size", "Sequences in the running batch", gauge
+        ).Metric(labels=labels)
+        self.queued = family(
+            "specdec_queued_requests", "Requests waiting for a KV slot", gauge
+        ).Metric(labels=labels)
+        self.current_k = family(
+            "specdec_current_num_draft_tokens", "k the controller chose for adaptive rows", gauge
+        ).Metric(labels=labels)
+        self.free_slots = family(
+            "specdec_free_kv_slots", "KV cache slots free in each engine", gauge
+        ).Metric(labels=labels)
+        self.free_slots.set(num_slots)
+        self.tokens_per_pass = family(
+            "specdec_tokens_per_target_pass",
+            "Tokens a sequence emits per target pass (accepted + 1)",
+            pb_utils.MetricFamily.HISTOGRAM,
+        ).Metric(labels=labels, buckets=[float(b) for b in range(1, max_k + 2)])
+
+    def record_iteration(self, stats: IterationStats) -> None:
+        self.iterations.increment(1)
+        self.draft_tokens.increment(stats.num_draft_tokens)
+        self.accepted_tokens.increment(stats.num_accepted_draft_tokens)
+        self.target_passes.increment(len(stats.emitted_per_row))
+        self.emitted_tokens.increment(sum(stats.emitted_per_row))
+        for emitted in stats.emitted_per_row:
+            self.tokens_per_pass.observe(emitted)
+        self.batch_size.set(stats.batch_size)
+        self.current_k.set(stats.chosen_k)
+
+    def update_queue(self, free_slots: int, num_waiting: int) -> None:
+        self.free_slots.set(free_slots)
+        self.queued.set(num_waiting)
+
+    def finished(self, outcome: str) -> None:
+        self.requests[outcome].increment(1)

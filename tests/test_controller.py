@@ -1,0 +1,90 @@
+"""The goodput controller: it speculates when that pays and stops when it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.controller import AdaptiveController, CostCurve, expected_tokens
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0] * 4, 4) == 5.0
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve()
+    assert curve.estimate(4) is None
+    curve.observe(2, 0.02)
+    assert curve.estimate(4) == pytest.approx(0.04)  # one point: proportional
+    curve.observe(10, 0.06)
+    assert curve.estimate(6) == pytest.approx(0.04)  # between points: linear
+    assert curve.estimate(20) == pytest.approx(0.11)  # beyond: the fitted line
+    assert curve.estimate(1) <= 0.02
+
+
+def cpu_like_target(num_tokens: int) -> float:
+    """Shaped like the embedded default: a fixed cost, then about 2 ms per token."""
+    return 0.040 + 0.002 * num_tokens
+
+
+def simulate(controller, batch_size, alpha, draft_step, iterations=300):
+    """Runs the controller against a synthetic engine; returns the ks it chose."""
+    import random
+
+    rng = random.Random(0)
+    ks = []
+    for _ in range(iterations):
+        choice = controller.choose(batch_size, [])
+        ks.append(choice.k)
+        row_ks = [choice.k] * batch_size
+        if choice.probe:
+            row_ks[0] = max(row_ks[0], 1)
+        drafting = [k for k in row_ks if k]
+        if drafting:
+            controller.observe_draft(
+                len(drafting), max(drafting), draft_step(len(drafting)) * max(drafting)
+            )
+        controller.observe_target(
+            sum(k + 1 for k in row_ks), cpu_like_target(sum(k + 1 for k in row_ks))
+        )
+        for k in row_ks:
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            controller.observe_verdict(k, accepted)
+        controller.end_iteration(drafted=bool(drafting))
+    return ks[50:]
+
+
+def test_good_cheap_draft_speculates_at_batch_one():
+    ks = simulate(AdaptiveController(8), 1, alpha=0.8, draft_step=lambda rows: 0.003)
+    assert min(ks) >= 2
+
+
+def test_useless_draft_stays_at_zero_with_rare_probes():
+    controller = AdaptiveController(8, probe_every=64)
+    ks = simulate(controller, 1, alpha=0.02, draft_step=lambda rows: 0.003)
+    assert set(ks) == {0}
+
+
+def test_load_turns_speculation_off():
+    # At 64 rows the target's per-token cost dominates: extra positions cost more than
+    # they return even with a good draft.
+    ks = simulate(AdaptiveController(8), 64, alpha=0.6, draft_step=lambda rows: 0.002 * rows)
+    assert max(ks) == 0
+
+
+def test_rows_with_fixed_k_are_priced_in():
+    controller = AdaptiveController(4)
+    for _ in range(20):
+        controller.observe_target(1, cpu_like_target(1))
+        controller.observe_target(5, cpu_like_target(5))
+        controller.observe_target(10, cpu_like_target(10))
+        controller.observe_draft(1, 4, 0.012)
+        controller.observe_draft(2, 4, 0.013)
+        controller.observe_verdict(4, 4)
+        controller.end_iteration(drafted=True)
+    assert controller.choose(1, [4]).k > 0
+    assert controller.choose(0, [4]).k == 0

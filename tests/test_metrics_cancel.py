@@ -1,0 +1,137 @@
+"""Prometheus metrics of the loop, and cancellation that frees slots within an iteration."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import hf_greedy_text
+from specdec.client import build_inputs, generate
+
+pytestmark = pytest.mark.server
+
+NUM_SLOTS = 32  # the `server` fixture's
+
+
+def scrape(url: str) -> dict[str, float]:
+    """{'name{labels}': value} of the specdec_ series."""
+    text = urllib.request.urlopen(url).read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^(specdec_\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match:
+            labels = re.sub(r',?model="[^"]*"', "", match.group(2) or "").replace("{,", "{")
+            key = match.group(1) + ("" if labels in ("", "{}") else labels)
+            values[key] = float(match.group(3))
+    return values
+
+
+def test_metrics_count_what_the_loop_did(server):
+    before = scrape(server.metrics_url)
+    result = generate(
+        "Count from one to twenty:",
+        url=server.url,
+        max_tokens=24,
+        num_draft_tokens=3,
+        return_perf_metrics=True,
+        return_num_output_tokens=True,
+    )
+    after = scrape(server.metrics_url)
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("specdec_draft_tokens_total") == result.metrics["total_draft_tokens"]
+    assert (
+        delta("specdec_accepted_draft_tokens_total")
+        == (result.metrics["total_accepted_draft_tokens"])
+    )
+    assert delta("specdec_emitted_tokens_total") == result.metrics["num_output_tokens"]
+    assert delta('specdec_requests_total{outcome="length"}') == 1
+    assert delta("specdec_tokens_per_target_pass_count") == delta("specdec_target_passes_total")
+    assert after["specdec_free_kv_slots"] == NUM_SLOTS
+    assert after["specdec_queued_requests"] == 0
+    for name in (
+        "specdec_running_batch_size",
+        "specdec_current_num_draft_tokens",
+        "specdec_iterations_total",
+    ):
+        assert name in after
+
+
+def test_invalid_requests_are_counted(server):
+    before = scrape(server.metrics_url)
+    generate("hi", url=server.url, max_tokens=-1)
+    after = scrape(server.metrics_url)
+    key = 'specdec_requests_total{outcome="invalid"}'
+    assert after[key] - before.get(key, 0) == 1
+
+
+def start_victim(url: str, prompt: str):
+    """A long stream to the BLS; returns its client and the list its chunks land in."""
+    chunks = []
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: chunks.append((result, error)))
+    client.async_stream_infer(
+        "speculative_decoding", build_inputs(prompt, max_tokens=1000, stream=True, end_id=-1)
+    )
+    return client, chunks
+
+
+def wait_for(condition, timeout=120.0):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "condition not met"
+        time.sleep(0.05)
+
+
+def test_cancelled_stream_frees_its_slot_within_an_iteration(server):
+    client, chunks = start_victim(server.url, "Write a long story about a lighthouse keeper.")
+    wait_for(lambda: len(chunks) >= 5)  # mid-generation
+    busy = scrape(server.metrics_url)
+    assert busy["specdec_free_kv_slots"] == NUM_SLOTS - 1
+    cancelled_before = busy.get('specdec_requests_total{outcome="cancelled"}', 0)
+    client.stop_stream(cancel_requests=True)
+    wait_for(
+        lambda: (
+            scrape(server.metrics_url)['specdec_requests_total{outcome="cancelled"}']
+            > cancelled_before
+        )
+    )
+    wait_for(lambda: scrape(server.metrics_url)["specdec_free_kv_slots"] == NUM_SLOTS)
+    freed = scrape(server.metrics_url)
+    # The loop saw the cancellation at its next iteration boundary and stopped: the scrape
+    # before cancelling can trail the loop by an iteration or two, no more.
+    assert freed["specdec_iterations_total"] - busy["specdec_iterations_total"] <= 3
+    assert freed["specdec_running_batch_size"] <= 1
+
+
+def test_cancellations_leave_other_requests_exact(server, hf_target):
+    prompt = "The capital of France is"
+    expected = hf_greedy_text(hf_target, prompt, 60)
+    pool = ThreadPoolExecutor(1)
+    bystander = pool.submit(
+        generate,
+        prompt,
+        url=server.url,
+        model="speculative_decoding",
+        max_tokens=60,
+        num_draft_tokens=2,
+        exclude_input_in_output=True,
+    )
+    victims = [start_victim(server.url, f"Tell me story number {i}.") for i in range(4)]
+    for client, chunks in victims:
+        wait_for(lambda chunks=chunks: len(chunks) >= 2)
+        client.stop_stream(cancel_requests=True)
+    assert bystander.result().text == expected
+    wait_for(lambda: scrape(server.metrics_url)["specdec_free_kv_slots"] == NUM_SLOTS)
+    assert (
+        generate(prompt, url=server.url, max_tokens=60, exclude_input_in_output=True).text
+        == expected
+    )
+    pool.shutdown()
