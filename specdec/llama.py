@@ -62,7 +62,9 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32):
         state.update(load_file(str(file)))
     if not state:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
-    return LlamaConfig.from_hf(hf), {k: v.to(dtype) for k, v in state.items()}
+    return LlamaConfig.from_hf(hf), {
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()
+    }
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,6 +77,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+HEAD_TOKEN_IDS = "draft.head_token_ids"  # optional weight: (head size,) token ids
 MAX_BATCHED_QUERY = 16  # rows with more new tokens than this attend one by one
 
 
@@ -113,6 +116,11 @@ class LlamaEngine:
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        # A draft may score only a subset of the vocabulary (its head's rows are these token
+        # ids); every other token gets probability 0, which keeps sampling exact.
+        self.head_token_ids = w.get(HEAD_TOKEN_IDS)
+        if self.head_token_ids is not None:
+            self.head_token_ids = self.head_token_ids.long()
         self.final_norm = w["model.norm.weight"]
         self.layers = []
         for i in range(config.num_layers):
@@ -291,4 +299,9 @@ class LlamaEngine:
             [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
         ).to(self.device)
         h = rms_norm(x[picks], self.final_norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()  # (sum(num_logits), V)
+        logits = F.linear(h, self.lm_head).float()  # (sum(num_logits), V or head size)
+        if self.head_token_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], c.vocab_size), float("-inf"))
+        full[:, self.head_token_ids] = logits
+        return full  # (sum(num_logits), V)

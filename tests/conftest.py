@@ -11,7 +11,7 @@ from specdec.launch import PROJECT_ROOT, ManagedServer
 
 MODELS = PROJECT_ROOT / "models"
 TARGET = MODELS / "smollm2-135m-instruct"
-DRAFT = MODELS / "smollm2-135m-first4layers"
+DRAFT = MODELS / "smollm2-135m-draft"
 
 
 @pytest.fixture(scope="session")
