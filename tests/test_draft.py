@@ -10,7 +10,7 @@ from conftest import DRAFT
 from specdec.llama import LlamaEngine
 from specdec.rejection import rejection_sample
 from specdec.sampling import RowSampling, probs_from_logits, sample_token
-from test_rejection import chi_square
+from stats import CHI2_CRITICAL_0_001, chi_square
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_rejection_with_the_real_draft_reproduces_the_target(draft_engine, targe
         counts[verdict.token_ids[0]] += 1
     stat, dof = chi_square(counts[support], target_probs[support])
     assert dof == len(support) - 1 == 5
-    assert stat < 20.515  # chi-square, 5 degrees of freedom, upper 0.1%
+    assert stat < CHI2_CRITICAL_0_001[5]
 
 
 def test_transformers_wrapper_matches_the_engine(draft_engine):

@@ -7,9 +7,7 @@ import torch
 
 from specdec.rejection import Verdict, rejection_sample, verify_greedy
 from specdec.sampling import sample_token
-
-# Upper 0.1% points of the chi-square distribution.
-CHI2_CRITICAL_0_001 = {4: 18.467, 29: 58.301}
+from stats import CHI2_CRITICAL_0_001, chi_square
 
 
 @pytest.mark.parametrize(
@@ -23,16 +21,6 @@ CHI2_CRITICAL_0_001 = {4: 18.467, 29: 58.301}
 )
 def test_verify_greedy(draft, target, expected):
     assert verify_greedy(draft, target) == expected
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic over the cells with nonzero expected mass; and its dof."""
-    total = counts.sum()
-    expected = probs * total
-    support = probs > 0
-    assert counts[~support].sum() == 0, "a token with target probability 0 was emitted"
-    stat = ((counts[support] - expected[support]) ** 2 / expected[support]).sum()
-    return float(stat), int(support.sum()) - 1
 
 
 def always_accept(draft_ids, draft_probs, target_probs, generator) -> Verdict:
