@@ -11,7 +11,7 @@ METRICS_PORT ?= 8002
 ENGINE ?= torch
 export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE
 
-.PHONY: venv models serve test test-unit lint format client draft bench bench-draft clean
+.PHONY: venv models serve test test-unit lint format client draft bench bench-draft loadtest clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -64,6 +64,10 @@ bench: models
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models
 	$(PY) loadtest/bench_draft.py
+
+# Locust ramp 1..256 users, adaptive and k = 0 (about 25 minutes).
+loadtest: models
+	$(PY) loadtest/run_loadtest.py
 
 client: venv
 	$(PY) clients/stream_client.py --chat "Explain speculative decoding in one paragraph."

@@ -51,11 +51,12 @@ class DraftConfig:
     out: Path
     work_dir: Path
     layers: int = 2
-    head_size: int = 8192
+    head_size: int = 16384
+    teacher_top_k: int = 32  # 0: hard labels only
     num_templated: int = 600
     num_self_instruct: int = 600
     max_answer_tokens: int = 160
-    epochs: int = 3
+    epochs: int = 12
     batch_tokens: int = 4096
     learning_rate: float = 1e-3
     seed: int = 0
@@ -150,6 +151,37 @@ def build_data(config: DraftConfig, tokenizer: TextTokenizer) -> tuple[list, lis
     return train, held_out
 
 
+def teacher_top_k(config: DraftConfig, data: list, k: int) -> list[dict]:
+    """The target's top-k next-token log-probabilities at every answer position, once."""
+    cache = config.work_dir / f"teacher_top{k}.pt"
+    if cache.exists():
+        return torch.load(cache)
+    target = LlamaEngine.from_checkpoint(config.target, num_slots=8, max_length=512)
+    out, start = [], time.time()
+    for first in range(0, len(data), 8):
+        group = data[first : first + 8]
+        seqs = [it["prompt_ids"] + it["answer_ids"] for it in group]
+        counts = [len(it["answer_ids"]) for it in group]  # positions predicting answer tokens
+        # The logits of a row's last `count + 1` positions; drop the very last (no label).
+        logits = target.forward(
+            torch.tensor([t for s in seqs for t in s]),
+            [len(s) for s in seqs],
+            list(range(len(seqs))),
+            [0] * len(seqs),
+            [c + 1 for c in counts],
+        )
+        offset = 0
+        for count in counts:
+            rows = torch.log_softmax(logits[offset : offset + count], dim=-1)
+            top = rows.topk(k, dim=-1)
+            out.append({"ids": top.indices.int(), "logprobs": top.values.half()})
+            offset += count + 1
+        if first % 200 == 0:
+            print(f"  teacher {first}/{len(data)} in {time.time() - start:.0f} s", flush=True)
+    torch.save(out, cache)
+    return out
+
+
 # -- 2. vocabulary ---------------------------------------------------------------------------
 def head_vocabulary(train: list, size: int, always: list[int]) -> torch.Tensor:
     counts = torch.zeros(200_000, dtype=torch.long)
@@ -160,7 +192,9 @@ def head_vocabulary(train: list, size: int, always: list[int]) -> torch.Tensor:
             torch.ones(len(item["answer_ids"]), dtype=torch.long),
         )
     ranked = [t for t in counts.argsort(descending=True).tolist() if counts[t] > 0]
-    chosen = list(dict.fromkeys(always + ranked))[:size]
+    # Then unseen tokens by id: a BPE vocabulary lists its earliest (most frequent) merges
+    # first, so low ids are the likeliest of the rest.
+    chosen = list(dict.fromkeys(always + ranked + list(range(size))))[:size]
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
@@ -197,9 +231,12 @@ class DraftModel(torch.nn.Module):
         return self.head(hidden)  # (B, T, head size)
 
 
-def batches(train: list, head_index: dict, batch_tokens: int, rng: random.Random):
-    """Padded (input_ids, attention_mask, labels) batches of about batch_tokens tokens;
-    labels only on answer positions, as head indices (-100 elsewhere or outside the head)."""
+def batches(train: list, head_lookup: torch.Tensor, batch_tokens: int, rng: random.Random):
+    """Padded batches of about batch_tokens tokens: (input_ids, attention_mask, labels,
+    soft_ids, soft_probs). Labels, the target's greedy next tokens as head indices, are set on
+    answer positions only (-100 elsewhere and for tokens outside the head). soft_ids and
+    soft_probs hold the target's top-k distribution there (renormalised over the head), or
+    are None when the items carry no teacher distribution."""
     items = sorted(train, key=lambda it: len(it["prompt_ids"]) + len(it["answer_ids"]))
     groups, current = [], []
     for item in items:
@@ -215,49 +252,66 @@ def batches(train: list, head_index: dict, batch_tokens: int, rng: random.Random
         ids = torch.zeros(len(group), width, dtype=torch.long)
         mask = torch.zeros(len(group), width, dtype=torch.long)
         labels = torch.full((len(group), width), -100, dtype=torch.long)
+        teacher = "_teacher" in group[0]
+        if teacher:
+            k = group[0]["_teacher"]["ids"].shape[1]
+            soft_ids = torch.zeros(len(group), width, k, dtype=torch.long)
+            soft_probs = torch.zeros(len(group), width, k)
         for row, it in enumerate(group):
             seq = it["prompt_ids"] + it["answer_ids"]
             ids[row, : len(seq)] = torch.tensor(seq)
             mask[row, : len(seq)] = 1
-            start = len(it["prompt_ids"]) - 1  # position predicting the first answer token
-            for pos in range(start, len(seq) - 1):
-                labels[row, pos] = head_index.get(seq[pos + 1], -100)
-        yield ids, mask, labels
+            start = len(it["prompt_ids"]) - 1  # the position predicting the first answer token
+            answer = torch.tensor(it["answer_ids"])
+            labels[row, start : len(seq) - 1] = head_lookup[answer]
+            if teacher:
+                top = head_lookup[it["_teacher"]["ids"].long()]  # (A, k), -1 outside the head
+                logprobs = it["_teacher"]["logprobs"].float().masked_fill(top < 0, float("-inf"))
+                soft_ids[row, start : len(seq) - 1] = top.clamp(min=0)
+                soft_probs[row, start : len(seq) - 1] = torch.softmax(logprobs, -1).nan_to_num(0)
+        yield ids, mask, labels, (soft_ids if teacher else None), (soft_probs if teacher else None)
 
 
 @torch.no_grad()
-def agreement(model: DraftModel, data: list, head_index: dict) -> float:
+def agreement(model: DraftModel, data: list, head_lookup: torch.Tensor) -> float:
     """Share of answer tokens where the draft's argmax is the target's greedy token."""
     model.eval()
     hits = total = 0
-    for ids, mask, labels in batches(data, head_index, 8192, random.Random(0)):
+    for ids, mask, labels, _, _ in batches(data, head_lookup, 8192, random.Random(0)):
         predicted = model(ids, mask).argmax(-1)
         scored = labels != -100  # answer tokens inside the head; the others are misses
         hits += int(((predicted == labels) & scored).sum())
         total += int(scored.sum())
     model.train()
-    outside = sum(sum(t not in head_index for t in it["answer_ids"]) for it in data)
+    outside = sum(int((head_lookup[torch.tensor(it["answer_ids"])] < 0).sum()) for it in data)
     return hits / (total + outside)
 
 
 def train(config: DraftConfig, model: DraftModel, data: list, held_out: list) -> dict:
-    head_index = {t: i for i, t in enumerate(model.head_token_ids.tolist())}
+    head_lookup = torch.full((model.model.config.vocab_size,), -1, dtype=torch.long)
+    head_lookup[model.head_token_ids] = torch.arange(len(model.head_token_ids))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     rng = random.Random(config.seed)
-    steps_per_epoch = sum(1 for _ in batches(data, head_index, config.batch_tokens, rng))
+    steps_per_epoch = sum(1 for _ in batches(data, head_lookup, config.batch_tokens, rng))
     total_steps = steps_per_epoch * config.epochs
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / total_steps)),
     )
-    history = {"before": agreement(model, held_out, head_index)}
+    history = {"before": agreement(model, held_out, head_lookup)}
     print(f"held-out agreement before training: {history['before']:.3f}", flush=True)
     start, step = time.time(), 0
     for epoch in range(config.epochs):
-        for ids, mask, labels in batches(data, head_index, config.batch_tokens, rng):
+        for ids, mask, labels, soft_ids, soft_probs in batches(
+            data, head_lookup, config.batch_tokens, rng
+        ):
             logits = model(ids, mask)
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            if soft_ids is not None:  # cross-entropy against the target's top-k as well
+                log_q = torch.log_softmax(logits, -1).gather(-1, soft_ids)  # (B, T, k)
+                answer = soft_probs.sum(-1) > 0
+                loss = loss - (soft_probs * log_q).sum(-1)[answer].mean()
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -270,7 +324,7 @@ def train(config: DraftConfig, model: DraftModel, data: list, held_out: list) ->
                     f"({time.time() - start:.0f} s)",
                     flush=True,
                 )
-        history[f"epoch{epoch}"] = agreement(model, held_out, head_index)
+        history[f"epoch{epoch}"] = agreement(model, held_out, head_lookup)
         print(f"held-out agreement after epoch {epoch}: {history[f'epoch{epoch}']:.3f}", flush=True)
     history["train_seconds"] = time.time() - start
     return history
@@ -304,6 +358,11 @@ def run(config: DraftConfig) -> None:
     data, held_out = build_data(config, tokenizer)
     num_tokens = sum(len(it["answer_ids"]) for it in data)
     print(f"{len(data)} training answers, {num_tokens} tokens", flush=True)
+    if config.teacher_top_k:
+        for item, teacher in zip(
+            data, teacher_top_k(config, data, config.teacher_top_k), strict=True
+        ):
+            item["_teacher"] = teacher
     specials = [tokenizer.eos_token_id]
     head_ids = head_vocabulary(data, config.head_size, specials)
     coverage = sum(

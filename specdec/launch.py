@@ -4,7 +4,7 @@
 
 Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch),
 TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
-DEFAULT_NUM_DRAFT_TOKENS. The repository in model_repository/ is rendered into .run/ with
+DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE. The repository in model_repository/ is rendered into .run/ with
 these values, so the committed configs stay usable as they are (docker compose mounts them).
 """
 
@@ -65,6 +65,8 @@ class ServerConfig:
                 config.parameters.setdefault(model, {})["checkpoint"] = env["TARGET_CHECKPOINT"]
         if env.get("DRAFT_CHECKPOINT"):
             config.parameters.setdefault("draft_model", {})["checkpoint"] = env["DRAFT_CHECKPOINT"]
+        if env.get("MAX_QUEUE"):
+            config.parameters.setdefault("speculative_decoding", {})["max_queue"] = env["MAX_QUEUE"]
         if env.get("DEFAULT_NUM_DRAFT_TOKENS"):
             config.parameters.setdefault("speculative_decoding", {})["default_num_draft_tokens"] = (
                 env["DEFAULT_NUM_DRAFT_TOKENS"]

@@ -31,10 +31,15 @@ def server(target_dir):
 
 @pytest.fixture(scope="session")
 def self_draft_server(target_dir):
-    """Draft = target: every proposal is accepted."""
+    """Draft = target: every proposal is accepted. 8 slots and a queue of 4: overload."""
     running = ManagedServer(
         "test-self-draft",
-        {"DRAFT_CHECKPOINT": str(target_dir), "NUM_SLOTS": "8", "MAX_CONTEXT": "512"},
+        {
+            "DRAFT_CHECKPOINT": str(target_dir),
+            "NUM_SLOTS": "8",
+            "MAX_CONTEXT": "512",
+            "MAX_QUEUE": "4",
+        },
     )
     yield running
     running.stop()

@@ -179,3 +179,27 @@ def test_missing_text_input_is_refused(server):
     client.async_stream_infer("speculative_decoding", [max_tokens])
     client.stop_stream()
     assert errors and "text_input" in errors[0].message()
+
+
+def test_model_control_is_refused(server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.url)
+    with pytest.raises(InferenceServerException, match="(?i)not allowed|explicit"):
+        client.unload_model("ensemble")
+    assert client.is_model_ready("ensemble")
+
+
+def test_overload_is_refused_at_once_and_queued_requests_complete(self_draft_server):
+    # 8 slots and a queue of 4: of 20 requests sent at once, 8 run, 4 wait, 8 are refused.
+    jobs = [(f"Count to {i}:", dict(max_tokens=24, num_draft_tokens=2)) for i in range(20)]
+    results = run_concurrently(self_draft_server.url, "speculative_decoding", jobs)
+    refused = [r for r in results if r.error is not None]
+    served = [r for r in results if r.error is None]
+    assert refused, "nothing was refused"
+    for result in refused:
+        assert "queue full" in result.error.message()
+        assert not result.chunks
+    assert len(served) >= 12
+    assert all(r.text for r in served)

@@ -1,0 +1,83 @@
+"""The load tools against a real server: a Locust smoke ramp and a short perf_analyzer run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.launch import PROJECT_ROOT
+
+pytestmark = pytest.mark.server
+
+
+def test_locust_smoke_ramp_streams_without_failures(server, tmp_path: Path):
+    records = tmp_path / "records.jsonl"
+    locust = Path(sys.executable).parent / "locust"
+    subprocess.run(
+        [
+            str(locust),
+            "-f",
+            str(PROJECT_ROOT / "loadtest" / "locustfile.py"),
+            "--headless",
+            "--host",
+            server.url,
+            "--smoke",
+            "--max-tokens",
+            "16",
+            "--records",
+            str(records),
+            "--csv",
+            str(tmp_path / "smoke"),
+            "--only-summary",
+        ],
+        check=True,
+        timeout=180,
+        cwd=PROJECT_ROOT,
+    )
+    rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "smoke_stats.csv"))}
+    assert int(rows["generate"]["Request Count"]) >= 3
+    assert int(rows["generate"]["Failure Count"]) == 0
+    assert int(rows["time_to_first_token"]["Request Count"]) == int(
+        rows["generate"]["Request Count"]
+    )
+    assert int(rows["inter_chunk"]["Request Count"]) > 0
+    recorded = [json.loads(line) for line in records.read_text().splitlines()]
+    assert {r["outcome"] for r in recorded} == {"ok"}
+    assert {r["users"] for r in recorded} <= {1, 2, 4}
+    assert all(0 < r["tokens"] <= 16 for r in recorded)
+
+
+def test_perf_analyzer_streams_the_ensemble(server):
+    port = server.url.rsplit(":", 1)[1]
+    result = subprocess.run(
+        [
+            str(PROJECT_ROOT / "loadtest" / "perf_analyzer.sh"),
+            "-m",
+            "ensemble",
+            "-u",
+            f"127.0.0.1:{port}",
+            "-i",
+            "grpc",
+            "--streaming",
+            "--input-data",
+            str(PROJECT_ROOT / "loadtest" / "perf_analyzer_inputs.json"),
+            "--concurrency-range",
+            "2",
+            "--measurement-interval",
+            "15000",
+            "--stability-percentage",
+            "100",
+            "--max-trials",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Concurrency: 2, throughput:" in result.stdout
