@@ -48,7 +48,7 @@ format: venv
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-# Distils a draft for TARGET (about 25 minutes on 2 cores; see build/train_draft.py).
+# Distils a draft for TARGET (about 30 minutes on 2 cores; see build/train_draft.py).
 TARGET ?= models/smollm2-135m-instruct
 draft: models
 	$(PY) -m build.train_draft --target $(TARGET)

@@ -56,7 +56,7 @@ class DraftConfig:
     num_templated: int = 600
     num_self_instruct: int = 600
     max_answer_tokens: int = 160
-    epochs: int = 12
+    epochs: int = 4
     batch_tokens: int = 4096
     learning_rate: float = 1e-3
     seed: int = 0

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from report import finish_axes, percentile
 from specdec.client import StreamingClient
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -57,13 +58,6 @@ class LevelResult:
     ttft_p99_s: float
     inter_chunk_p50_s: float
     inter_chunk_p99_s: float
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -156,12 +150,7 @@ def plot(levels: list[LevelResult], modes: list[str], path: Path) -> None:
         xs = [r.concurrency for r in rows]
         left.plot(xs, [r.tokens_per_s for r in rows], marker="o", label=mode)
         right.plot(xs, [r.latency_p99_s for r in rows], marker="o", label=mode)
-    for axis, title in ((left, "output tokens/s"), (right, "p99 request latency (s)")):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("concurrency")
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-        axis.legend()
+    finish_axes(((left, "output tokens/s"), (right, "p99 request latency (s)")), "concurrency")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

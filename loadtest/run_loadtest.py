@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from report import finish_axes, percentile
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = PROJECT_ROOT / "loadtest" / "locustfile.py"
 RUNS = {"adaptive": -1, "k0": 0}
@@ -30,13 +32,6 @@ class LoadtestConfig:
     smoke: bool = False
     stage_seconds: float = 45.0
     max_tokens: int = 128
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def run_locust(config: LoadtestConfig, url: str, name: str, k: int) -> Path:
@@ -112,12 +107,7 @@ def plot(summary: dict[str, list[dict]], path: Path) -> None:
             linestyle="--",
             label=f"{name} p99",
         )
-    for axis, title in ((left, "output tokens/s"), (right, "time to first token (s)")):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("users")
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-        axis.legend()
+    finish_axes(((left, "output tokens/s"), (right, "time to first token (s)")), "users")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
