@@ -107,6 +107,16 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return total
 
 
+ITERATION_EMA = 0.2
+SPECULATION_MARGIN = 1.03  # k > 0 must promise 3% more goodput than the best smaller k
+STALE_AFTER = 256  # iterations after which a measured iteration cost is guessed again
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Exact up to 8 rows, then powers of two: costs change slowly with many rows."""
+    return batch_size if batch_size <= 8 else 1 << (batch_size - 1).bit_length()
+
+
 @dataclass
 class Choice:
     k: int  # for every adaptive row
@@ -121,6 +131,10 @@ class AdaptiveController:
         self.acceptance = AcceptanceWindow(max_k)
         self.draft_step_cost = CostCurve()  # by number of draft rows
         self.target_cost = CostCurve()  # by number of tokens verified
+        # Whole iterations as they really cost, by (batch-size bucket, k): catch-up draft
+        # calls, transfers and bookkeeping that the per-call curves do not see.
+        self.iteration_cost: dict[tuple[int, int], tuple[float, int]] = {}
+        self.iteration = 0
         self.iterations_without_draft = 0
 
     # -- measurements ------------------------------------------------------------------------
@@ -133,8 +147,17 @@ class AdaptiveController:
     def observe_verdict(self, k: int, num_accepted: int) -> None:
         self.acceptance.observe(k, num_accepted)
 
+    def observe_iteration(self, batch_size: int, k: int, seconds: float) -> None:
+        """A whole iteration in which every adaptive row used k."""
+        key = (batch_bucket(batch_size), k)
+        previous = self.iteration_cost.get(key)
+        if previous is not None:
+            seconds = previous[0] + ITERATION_EMA * (seconds - previous[0])
+        self.iteration_cost[key] = (seconds, self.iteration)
+
     def end_iteration(self, drafted: bool) -> None:
         self.acceptance.end_iteration()
+        self.iteration += 1
         self.iterations_without_draft = 0 if drafted else self.iterations_without_draft + 1
 
     # -- the choice --------------------------------------------------------------------------
@@ -150,7 +173,9 @@ class AdaptiveController:
             goodput = self._goodput(k, num_adaptive, fixed_ks, rates)
             if goodput is None:  # a cost never measured: try it once if it may pay
                 return Choice(k, False, 0.0)
-            if goodput > best.goodput:
+            # Speculating must beat plain decoding by a margin: noise alone never tips it.
+            margin = 1.0 if k == 0 else SPECULATION_MARGIN
+            if goodput > best.goodput * margin:
                 best = Choice(k, False, goodput)
         if best.k == 0 and self.iterations_without_draft >= self.probe_every:
             best.probe = True
@@ -159,6 +184,9 @@ class AdaptiveController:
     def _goodput(self, k: int, num_adaptive: int, fixed_ks: list[int], rates) -> float | None:
         tokens = num_adaptive * expected_tokens(rates, k)
         tokens += sum(expected_tokens(rates, f) for f in fixed_ks)
+        measured = self.iteration_cost.get((batch_bucket(num_adaptive + len(fixed_ks)), k))
+        if measured is not None and self.iteration - measured[1] < STALE_AFTER:
+            return tokens / measured[0]
         verified = num_adaptive * (k + 1) + sum(f + 1 for f in fixed_ks)
         target = self.target_cost.estimate(verified)
         draft_rows = (num_adaptive if k else 0) + sum(1 for f in fixed_ks if f)

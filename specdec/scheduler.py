@@ -146,13 +146,16 @@ class SpeculativeScheduler:
             heapq.heappush(self.free_slots, sequence.slot)
             sequence.slot = -1
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        admitted = 0
         while self.waiting and self.free_slots:
             sequence = self.waiting.popleft()
             if sequence.cancelled:
                 continue
             sequence.slot = heapq.heappop(self.free_slots)
             self.running.append(sequence)
+            admitted += 1
+        return admitted
 
     def _drop_cancelled(self) -> list[Sequence]:
         cancelled = [s for s in self.running if s.cancelled]
@@ -198,10 +201,11 @@ class SpeculativeScheduler:
         """Runs one draft call and one target call over the running batch."""
         self.last_iteration = None
         self._drop_cancelled()
-        self._admit()
+        admitted = self._admit()
         batch = list(self.running)
         if not batch:
             return []
+        step_start = time.perf_counter()
         choice = self._choose_num_draft_tokens(batch)
         drafting = [s for s in batch if s.num_draft_tokens > 0]
         proposals = self._propose(drafting) if drafting else {}
@@ -232,6 +236,10 @@ class SpeculativeScheduler:
             stats.num_draft_tokens += k
             stats.num_accepted_draft_tokens += verdict.num_accepted
             stats.emitted_per_row.append(sequence.num_output_tokens - before)
+        if not choice.probe and not admitted:  # a prefill is no steady-state iteration
+            self.controller.observe_iteration(
+                len(batch), choice.k, time.perf_counter() - step_start
+            )
         self.controller.end_iteration(drafted=bool(drafting))
         self.running = [s for s in self.running if s.finish_reason is None]
         self.last_iteration = stats

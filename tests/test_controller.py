@@ -29,8 +29,9 @@ def cpu_like_target(num_tokens: int) -> float:
     return 0.040 + 0.002 * num_tokens
 
 
-def simulate(controller, batch_size, alpha, draft_step, iterations=300):
-    """Runs the controller against a synthetic engine; returns the ks it chose."""
+def simulate(controller, batch_size, alpha, draft_step, iterations=300, hidden=0.0):
+    """Runs the controller against a synthetic engine; returns the ks it chose. `hidden`:
+    seconds every drafting iteration costs beyond the draft and target calls."""
     import random
 
     rng = random.Random(0)
@@ -46,9 +47,12 @@ def simulate(controller, batch_size, alpha, draft_step, iterations=300):
             controller.observe_draft(
                 len(drafting), max(drafting), draft_step(len(drafting)) * max(drafting)
             )
-        controller.observe_target(
-            sum(k + 1 for k in row_ks), cpu_like_target(sum(k + 1 for k in row_ks))
-        )
+        target = cpu_like_target(sum(k + 1 for k in row_ks))
+        controller.observe_target(sum(k + 1 for k in row_ks), target)
+        if not choice.probe:
+            draft = draft_step(len(drafting)) * max(drafting) if drafting else 0.0
+            extra = hidden if drafting else 0.0
+            controller.observe_iteration(batch_size, choice.k, target + draft + extra)
         for k in row_ks:
             accepted = 0
             while accepted < k and rng.random() < alpha:
@@ -88,3 +92,10 @@ def test_rows_with_fixed_k_are_priced_in():
         controller.end_iteration(drafted=True)
     assert controller.choose(1, [4]).k > 0
     assert controller.choose(0, [4]).k == 0
+
+
+def test_measured_iteration_cost_overrules_the_model():
+    # Per-call costs promise a gain at k > 0, but every drafting iteration really costs
+    # 30 ms more (catch-up calls, transfers): the controller sees it and stays at k = 0.
+    ks = simulate(AdaptiveController(8), 1, alpha=0.5, draft_step=lambda rows: 0.003, hidden=0.030)
+    assert ks.count(0) >= 0.9 * len(ks)
