@@ -120,7 +120,10 @@ def prepare_backend(run_dir: Path) -> Path:
         server / "python_backend_stubs" / version / "triton_python_backend_stub",
     ]
     for source in sources:
-        shutil.copy2(source, backend / source.name)
+        # Copy, then rename over: a stub still running from an old server keeps its file.
+        partial = backend / (source.name + ".partial")
+        shutil.copy2(source, partial)
+        os.replace(partial, backend / source.name)
     return backend.parent
 
 
