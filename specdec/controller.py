@@ -109,12 +109,13 @@ def expected_tokens(rates: list[float], k: int) -> float:
 
 ITERATION_EMA = 0.2
 SPECULATION_MARGIN = 1.03  # k > 0 must promise 3% more goodput than the best smaller k
+EXPLORE_MARGIN = 1.15  # ... and 15% more where only the per-call model prices it
 STALE_AFTER = 256  # iterations after which a measured iteration cost is guessed again
 
 
 def batch_bucket(batch_size: int) -> int:
-    """Exact up to 8 rows, then powers of two: costs change slowly with many rows."""
-    return batch_size if batch_size <= 8 else 1 << (batch_size - 1).bit_length()
+    """Powers of two: few cells to measure while requests come and go."""
+    return 1 << (batch_size - 1).bit_length()
 
 
 @dataclass
@@ -173,20 +174,31 @@ class AdaptiveController:
             goodput = self._goodput(k, num_adaptive, fixed_ks, rates)
             if goodput is None:  # a cost never measured: try it once if it may pay
                 return Choice(k, False, 0.0)
-            # Speculating must beat plain decoding by a margin: noise alone never tips it.
-            margin = 1.0 if k == 0 else SPECULATION_MARGIN
+            # Speculating must beat plain decoding by a margin: noise alone never tips it,
+            # and a guess (an iteration cost not measured yet) must promise more.
+            margin = 1.0
+            if k > 0:
+                measured = self._measured(k, num_adaptive + len(fixed_ks))
+                margin = SPECULATION_MARGIN if measured is not None else EXPLORE_MARGIN
             if goodput > best.goodput * margin:
                 best = Choice(k, False, goodput)
         if best.k == 0 and self.iterations_without_draft >= self.probe_every:
             best.probe = True
         return best
 
+    def _measured(self, k: int, batch_size: int) -> float | None:
+        """Seconds of a whole iteration at this batch size and k, if measured lately."""
+        cell = self.iteration_cost.get((batch_bucket(batch_size), k))
+        if cell is None or self.iteration - cell[1] >= STALE_AFTER:
+            return None
+        return cell[0]
+
     def _goodput(self, k: int, num_adaptive: int, fixed_ks: list[int], rates) -> float | None:
         tokens = num_adaptive * expected_tokens(rates, k)
         tokens += sum(expected_tokens(rates, f) for f in fixed_ks)
-        measured = self.iteration_cost.get((batch_bucket(num_adaptive + len(fixed_ks)), k))
-        if measured is not None and self.iteration - measured[1] < STALE_AFTER:
-            return tokens / measured[0]
+        measured = self._measured(k, num_adaptive + len(fixed_ks))
+        if measured is not None:
+            return tokens / measured
         verified = num_adaptive * (k + 1) + sum(f + 1 for f in fixed_ks)
         target = self.target_cost.estimate(verified)
         draft_rows = (num_adaptive if k else 0) + sum(1 for f in fixed_ks if f)

@@ -212,7 +212,8 @@ class SpeculativeScheduler:
         target_batch = self._target_batch(batch, proposals)
         start = time.perf_counter()
         result = self.engines.target(target_batch)
-        self.controller.observe_target(len(target_batch.input_ids), time.perf_counter() - start)
+        if not admitted:  # a prefill is not what a decode step costs
+            self.controller.observe_target(len(target_batch.input_ids), time.perf_counter() - start)
         stats = IterationStats(
             batch_size=len(batch),
             num_waiting=len(self.waiting),
