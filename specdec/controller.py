@@ -114,8 +114,8 @@ STALE_AFTER = 256  # iterations after which a measured iteration cost is guessed
 
 
 def batch_bucket(batch_size: int) -> int:
-    """Powers of two: few cells to measure while requests come and go."""
-    return 1 << (batch_size - 1).bit_length()
+    """Exact up to 8 rows (cost changes fastest there), then powers of two."""
+    return batch_size if batch_size <= 8 else 1 << (batch_size - 1).bit_length()
 
 
 @dataclass

@@ -112,6 +112,9 @@ class SpeculativeScheduler:
         self._ids = itertools.count()
         self.controller = AdaptiveController(config.max_draft_tokens)
         self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
+        # (start time, batch size, k) of the last steady step: its cost is measured from its
+        # start to the next step's start, so the glue's work between steps counts too.
+        self._timed_step: tuple[float, float, int, int] | None = None
 
     # -- joining and leaving ---------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -200,12 +203,14 @@ class SpeculativeScheduler:
     def step(self) -> list[Update]:
         """Runs one draft call and one target call over the running batch."""
         self.last_iteration = None
-        self._drop_cancelled()
+        if self._drop_cancelled():
+            self._timed_step = None
         admitted = self._admit()
         batch = list(self.running)
         if not batch:
             return []
         step_start = time.perf_counter()
+        self._close_timed_step(step_start)
         choice = self._choose_num_draft_tokens(batch)
         drafting = [s for s in batch if s.num_draft_tokens > 0]
         proposals = self._propose(drafting) if drafting else {}
@@ -238,13 +243,19 @@ class SpeculativeScheduler:
             stats.num_accepted_draft_tokens += verdict.num_accepted
             stats.emitted_per_row.append(sequence.num_output_tokens - before)
         if not choice.probe and not admitted:  # a prefill is no steady-state iteration
-            self.controller.observe_iteration(
-                len(batch), choice.k, time.perf_counter() - step_start
-            )
+            self._timed_step = (step_start, time.perf_counter() - step_start, len(batch), choice.k)
         self.controller.end_iteration(drafted=bool(drafting))
         self.running = [s for s in self.running if s.finish_reason is None]
         self.last_iteration = stats
         return updates
+
+    def _close_timed_step(self, now: float) -> None:
+        """Records the last steady step's whole cost, unless the loop idled after it."""
+        if self._timed_step is not None:
+            start, busy, batch_size, k = self._timed_step
+            if now - start < 3 * busy:  # longer: the loop waited for work
+                self.controller.observe_iteration(batch_size, k, now - start)
+        self._timed_step = None
 
     def _propose(self, drafting: list[Sequence]) -> dict[int, tuple[list[int], torch.Tensor]]:
         batch = self._engine_batch(
