@@ -118,8 +118,9 @@ class SpeculativeScheduler:
 
     # -- joining and leaving ---------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Sequence:
-        if len(self.waiting) >= self.config.max_queue:
-            raise QueueFull(f"queue full ({self.config.max_queue} requests waiting)")
+        # Requests that will get a free slot at the next step are not queued behind anyone.
+        if len(self.waiting) >= self.config.max_queue + len(self.free_slots):
+            raise QueueFull(f"queue full ({self.config.max_queue} requests waiting for a slot)")
         generator = torch.Generator()
         generator.manual_seed(request.seed if request.seed is not None else generator.seed())
         sequence = Sequence(

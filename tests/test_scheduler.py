@@ -125,11 +125,11 @@ def test_engine_failure_ends_every_request_and_the_loop_goes_on():
 
 
 def test_queue_is_bounded():
-    scheduler, _ = make_scheduler(max_queue=2)
-    scheduler.submit(request([1], 5))
-    scheduler.submit(request([2], 5))
+    scheduler, _ = make_scheduler(num_slots=4, max_queue=2)
+    for i in range(6):  # 4 will have slots at the next step, 2 wait
+        scheduler.submit(request([i], 5))
     with pytest.raises(QueueFull):
-        scheduler.submit(request([3], 5))
+        scheduler.submit(request([9], 5))
 
 
 def test_streamed_chunks_join_to_the_final_text():
