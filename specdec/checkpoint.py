@@ -46,14 +46,14 @@ def truncate_layers(src: Path, dst: Path, num_layers: int) -> None:
     Untrained, such a draft agrees with its target on few tokens; it is an honest draft
     (same tokenizer, exact outputs whatever it proposes), not a good one.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from specdec.llama import read_safetensors
 
     config = json.loads((src / "config.json").read_text())
     if not 0 < num_layers <= config["num_hidden_layers"]:
         raise ValueError(f"num_layers {num_layers} outside 1..{config['num_hidden_layers']}")
-    state = {}
-    for file in sorted(src.glob("*.safetensors")):
-        state.update(load_file(str(file)))
+    state = read_safetensors(src)
     kept = {
         name: tensor
         for name, tensor in state.items()
@@ -89,13 +89,13 @@ def assemble_draft(draft_dir: Path, target_dir: Path, out_dir: Path) -> None:
     and tokenizer."""
     from safetensors.torch import load_file, save_file
 
+    from specdec.llama import read_safetensors
+
     weights = {
         name: tensor.float() if tensor.is_floating_point() else tensor
         for name, tensor in load_file(str(draft_dir / "draft.safetensors")).items()
     }
-    target = {}
-    for file in sorted(target_dir.glob("*.safetensors")):
-        target.update(load_file(str(file)))
+    target = read_safetensors(target_dir)
     weights["model.embed_tokens.weight"] = target["model.embed_tokens.weight"].float()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from specdec.llama import HEAD_TOKEN_IDS
+from specdec.llama import HEAD_TOKEN_IDS, read_safetensors
 
 
 class ReducedHeadLlama(LlamaForCausalLM):
@@ -54,12 +54,8 @@ class ReducedHeadLlama(LlamaForCausalLM):
 
 def load_hf_draft(path: str | Path) -> LlamaForCausalLM:
     """A transformers model from a checkpoint directory: reduced head or plain."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    weights = {}
-    for file in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(str(file)))
+    weights = read_safetensors(path)
     if HEAD_TOKEN_IDS not in weights:
         return LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     config = LlamaConfig.from_pretrained(str(path))

@@ -49,17 +49,23 @@ class LlamaConfig:
         )
 
 
-def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Reads a Hugging Face Llama-family directory (config.json + safetensors)."""
+def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's *.safetensors files (shards in name order)."""
     from safetensors.torch import load_file
 
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Reads a Hugging Face Llama-family directory (config.json + safetensors)."""
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     if hf.get("model_type") not in {"llama", "mistral", "qwen2"}:
         raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not Llama-family")
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        state.update(load_file(str(file)))
+    state = read_safetensors(path)
     if not state:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
     return LlamaConfig.from_hf(hf), {
