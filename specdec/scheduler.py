@@ -60,7 +60,6 @@ class IterationStats:
     batch_size: int = 0
     num_waiting: int = 0
     chosen_k: int = 0  # the adaptive rows' k
-    num_draft_rows: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     emitted_per_row: list[int] = field(default_factory=list)
@@ -224,7 +223,6 @@ class SpeculativeScheduler:
             batch_size=len(batch),
             num_waiting=len(self.waiting),
             chosen_k=choice.k,
-            num_draft_rows=len(drafting),
         )
         updates = []
         probs_row = 0
