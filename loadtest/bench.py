@@ -4,7 +4,8 @@
 
 For each concurrency level, each mode runs in turn on the same server (interleaved, so drift
 hits every mode alike): `concurrency` workers, each on its own gRPC stream, send
-`--requests-per-worker` streamed greedy requests back to back. Per level and mode it records
+`--requests-per-worker` streamed greedy requests back to back (more at low concurrency, so
+that every level has at least `--min-requests`). Per level and mode it records
 output tokens/s (all output tokens / wall time), p50/p99 request latency, time to first token
 and inter-chunk latency, and the acceptance rate. Writes results/<name>.json, .csv and .png
 and prints tokens/s ratios against k = 0. Without --url it starts its own server.
@@ -34,6 +35,7 @@ class BenchConfig:
     concurrency: list[int]
     max_tokens: int = 128
     requests_per_worker: int = 2
+    min_requests: int = 8  # per level and mode: low concurrency gets more requests per worker
     url: str | None = None  # None: start a server of our own
     model: str = "ensemble"
     prompts: Path = PROJECT_ROOT / "loadtest" / "prompts.jsonl"
@@ -73,11 +75,12 @@ def run_level(
     url: str, model: str, mode: str, concurrency: int, prompts: list[str], config: BenchConfig
 ) -> LevelResult:
     results, lock = [], threading.Lock()
+    per_worker = max(config.requests_per_worker, -(-config.min_requests // concurrency))
 
     def worker(index: int) -> None:
         with StreamingClient(url, model) as client:
-            for r in range(config.requests_per_worker):
-                prompt = prompts[(index * config.requests_per_worker + r) % len(prompts)]
+            for r in range(per_worker):
+                prompt = prompts[(index * per_worker + r) % len(prompts)]
                 result = client.generate(
                     prompt,
                     max_tokens=config.max_tokens,
@@ -183,7 +186,9 @@ def run(config: BenchConfig) -> list[LevelResult]:
             config.modes[0],
             1,
             prompts[:1],
-            BenchConfig(modes=[], concurrency=[], max_tokens=8, requests_per_worker=1),
+            BenchConfig(
+                modes=[], concurrency=[], max_tokens=8, requests_per_worker=1, min_requests=1
+            ),
         )
         levels = []
         for concurrency in config.concurrency:
@@ -202,6 +207,7 @@ def run(config: BenchConfig) -> list[LevelResult]:
     meta = {
         "max_tokens": config.max_tokens,
         "requests_per_worker": config.requests_per_worker,
+        "min_requests": config.min_requests,
         "model": config.model,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "server_env": config.server_env,
@@ -220,6 +226,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests-per-worker", type=int, default=2)
+    parser.add_argument(
+        "--min-requests", type=int, default=8, help="at least this many requests per level"
+    )
     parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
     parser.add_argument("--model", default="ensemble")
     parser.add_argument("--name", default="bench", help="results/<name>.{json,csv,png}")
@@ -236,6 +245,7 @@ def main() -> None:
             concurrency=[int(c) for c in args.concurrency.split(",")],
             max_tokens=args.max_tokens,
             requests_per_worker=args.requests_per_worker,
+            min_requests=args.min_requests,
             url=args.url,
             model=args.model,
             name=args.name,

@@ -68,34 +68,41 @@ class CostCurve:
 
 
 class AcceptanceWindow:
-    """alpha_i: P(draft token i accepted | tokens before it accepted), over a decaying window."""
+    """alpha_i: P(draft token i accepted | tokens before it accepted), over the last few dozen
+    observations of each position.
 
-    def __init__(self, max_k: int, decay: float = 0.9, prior: float = 0.5) -> None:
-        self.decay = decay
+    The window decays per observation, not per iteration: while nothing is drafted the
+    estimate stays what it was (a probe refreshes it), instead of fading back to the prior
+    and luring the controller into speculating again on the strength of one lucky probe.
+    A weak prior (`prior_weight` pseudo-observations of `prior`) keeps one sample from
+    reading as certainty.
+    """
+
+    def __init__(
+        self, max_k: int, window: int = 48, prior: float = 0.5, prior_weight: float = 2.0
+    ) -> None:
+        self.decay = 1.0 - 1.0 / window
         self.prior = prior
+        self.prior_weight = prior_weight
         self.accepted = [0.0] * max_k
         self.tried = [0.0] * max_k
 
     def observe(self, k: int, num_accepted: int) -> None:
         for i in range(min(k, num_accepted + 1)):  # positions after a rejection are unseen
-            self.tried[i] += 1
-            self.accepted[i] += i < num_accepted
-
-    def end_iteration(self) -> None:
-        self.accepted = [a * self.decay for a in self.accepted]
-        self.tried = [t * self.decay for t in self.tried]
+            self.tried[i] = self.tried[i] * self.decay + 1
+            self.accepted[i] = self.accepted[i] * self.decay + (i < num_accepted)
 
     def rates(self) -> list[float]:
         """Per position; an unseen position borrows the rate of the last seen one."""
         rates, last = [], self.prior
         for accepted, tried in zip(self.accepted, self.tried, strict=True):
-            if tried > 0.5:
-                last = accepted / tried
+            if tried > 0:
+                last = (accepted + self.prior * self.prior_weight) / (tried + self.prior_weight)
             rates.append(last)
         return rates
 
     def seen(self, position: int) -> bool:
-        return self.tried[position] > 0.5
+        return self.tried[position] > 0
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -157,7 +164,6 @@ class AdaptiveController:
         self.iteration_cost[key] = (seconds, self.iteration)
 
     def end_iteration(self, drafted: bool) -> None:
-        self.acceptance.end_iteration()
         self.iteration += 1
         self.iterations_without_draft = 0 if drafted else self.iterations_without_draft + 1
 

@@ -180,9 +180,9 @@ class SpeculativeScheduler:
         room = self.config.max_context - len(sequence.token_ids)
         return max(0, min(k, self.config.max_draft_tokens, remaining, room))
 
-    def _choose_num_draft_tokens(self, batch: list[Sequence]) -> Choice:
+    def _choose_num_draft_tokens(self, batch: list[Sequence]) -> tuple[Choice, bool]:
         """Fixed k where the request (or the server default) sets one; the controller's
-        goodput choice for the others."""
+        goodput choice for the others. Also says whether every row follows the choice."""
         default = self.config.default_draft_tokens
         adaptive = []
         for sequence in batch:
@@ -198,7 +198,7 @@ class SpeculativeScheduler:
             sequence.num_draft_tokens = self._cap(sequence, choice.k)
         if choice.probe and adaptive:
             adaptive[0].num_draft_tokens = self._cap(adaptive[0], 1)
-        return choice
+        return choice, len(adaptive) == len(batch)
 
     def step(self) -> list[Update]:
         """Runs one draft call and one target call over the running batch."""
@@ -211,7 +211,7 @@ class SpeculativeScheduler:
             return []
         step_start = time.perf_counter()
         self._close_timed_step(step_start)
-        choice = self._choose_num_draft_tokens(batch)
+        choice, all_adaptive = self._choose_num_draft_tokens(batch)
         drafting = [s for s in batch if s.num_draft_tokens > 0]
         proposals = self._propose(drafting) if drafting else {}
         target_batch = self._target_batch(batch, proposals)
@@ -241,7 +241,10 @@ class SpeculativeScheduler:
             stats.num_draft_tokens += k
             stats.num_accepted_draft_tokens += verdict.num_accepted
             stats.emitted_per_row.append(sequence.num_output_tokens - before)
-        if not choice.probe and not admitted:  # a prefill is no steady-state iteration
+        # Only an iteration that ran the choice for every row measures what the choice costs:
+        # no prefill, no probe, no rows with a k of their own (a batch of fixed k = 4 rows
+        # would otherwise be booked as the cost of k = 0).
+        if all_adaptive and not choice.probe and not admitted:
             self._timed_step = (step_start, time.perf_counter() - step_start, len(batch), choice.k)
         self.controller.end_iteration(drafted=bool(drafting))
         self.running = [s for s in self.running if s.finish_reason is None]

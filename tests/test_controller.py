@@ -99,3 +99,25 @@ def test_measured_iteration_cost_overrules_the_model():
     # 30 ms more (catch-up calls, transfers): the controller sees it and stays at k = 0.
     ks = simulate(AdaptiveController(8), 1, alpha=0.5, draft_step=lambda rows: 0.003, hidden=0.030)
     assert ks.count(0) >= 0.9 * len(ks)
+
+
+def test_acceptance_is_kept_while_nothing_is_drafted():
+    # A long stretch at k = 0 must not fade a measured low acceptance back to the prior: that
+    # is what made one lucky probe look like a good draft.
+    controller = AdaptiveController(8, probe_every=10_000)
+    for i in range(100):
+        controller.observe_verdict(1, int(i % 10 == 0))  # 10% accepted
+        controller.end_iteration(drafted=True)
+    for _ in range(1000):
+        controller.end_iteration(drafted=False)
+    assert controller.acceptance.rates()[0] < 0.2
+    controller.observe_verdict(1, 1)  # one accepted probe moves it a little, not to 1.0
+    assert controller.acceptance.rates()[0] < 0.25
+
+
+def test_marginal_draft_whose_iterations_cost_more_stays_at_zero():
+    # Acceptance 0.3 looks worth k = 1 by the per-call costs, but the measured iterations
+    # (cold caches, extra calls) say otherwise: plain decoding wins and is kept.
+    controller = AdaptiveController(8)
+    ks = simulate(controller, 1, alpha=0.3, draft_step=lambda rows: 0.006, hidden=0.012)
+    assert ks.count(0) >= 0.95 * len(ks)

@@ -137,3 +137,16 @@ def test_streamed_chunks_join_to_the_final_text():
     scheduler.submit(request([3, 1], 25, stream=True))
     chunks = [u.chunk.text for u in run_all(scheduler)]
     assert "".join(chunks) == fake_decode(oracle_continuation([3, 1], 25))
+
+
+def test_rows_with_their_own_k_are_not_booked_as_the_adaptive_cost():
+    # A batch of requests that fix k = 4 runs with the controller's choice at 0; its
+    # iterations must not be measured as what k = 0 costs (they cost a k = 4 iteration).
+    scheduler, _ = make_scheduler(k=None)
+    for i in range(2):
+        scheduler.submit(request([i + 1], 30, num_draft_tokens=4))
+    run_all(scheduler)
+    assert scheduler.controller.iteration_cost == {}
+    scheduler.submit(request([9], 30))  # adaptive: its iterations are measured
+    run_all(scheduler)
+    assert scheduler.controller.iteration_cost
