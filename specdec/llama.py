@@ -11,11 +11,14 @@ linear layers (where the time goes on CPU) see one matrix, and only attention ru
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -30,10 +33,19 @@ class LlamaConfig:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    # RoPE scaling (rope_inv_freq): "default", "linear" or "llama3" (Llama 3.1 / 3.2)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
-        rope = hf.get("rope_parameters") or {}
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
         num_heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],
@@ -46,6 +58,11 @@ class LlamaConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            rope_type=rope_type,
+            rope_factor=rope.get("factor", 1.0),
+            rope_low_freq_factor=rope.get("low_freq_factor", 1.0),
+            rope_high_freq_factor=rope.get("high_freq_factor", 4.0),
+            rope_original_max_positions=rope.get("original_max_position_embeddings", 8192),
         )
 
 
@@ -71,6 +88,29 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32):
     return LlamaConfig.from_hf(hf), {
         k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()
     }
+
+
+def rope_inv_freq(c: LlamaConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim / 2,), float32, with linear or Llama 3 scaling.
+
+    Llama 3 keeps the high frequencies, divides the low ones (wavelengths longer than the
+    original context / low_freq_factor) by the factor, and blends the band in between."""
+    exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim
+    inv_freq = 1.0 / (c.rope_theta**exponents)
+    if c.rope_type == "linear":
+        return inv_freq / c.rope_factor
+    if c.rope_type != "llama3":
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    context = c.rope_original_max_positions
+    blend = (context / wavelength - c.rope_low_freq_factor) / (
+        c.rope_high_freq_factor - c.rope_low_freq_factor
+    )
+    blended = (1 - blend) * inv_freq / c.rope_factor + blend * inv_freq
+    scaled = torch.where(
+        wavelength > context / c.rope_low_freq_factor, inv_freq / c.rope_factor, blended
+    )
+    return torch.where(wavelength < context / c.rope_high_freq_factor, inv_freq, scaled)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,10 +192,7 @@ class LlamaEngine:
         dtype = self.embed.dtype
         self.k_cache = torch.empty(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
-        inv_freq = 1.0 / (
-            c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
-        )
-        self.inv_freq = inv_freq.to(self.device)
+        self.inv_freq = rope_inv_freq(c).to(self.device)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, num_slots: int, max_length: int, device="cpu"):
