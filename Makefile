@@ -11,7 +11,7 @@ METRICS_PORT ?= 8002
 ENGINE ?= torch
 export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE
 
-.PHONY: venv models serve test test-unit lint format client draft bench bench-draft loadtest clean
+.PHONY: venv models serve engines test test-unit lint format client draft bench bench-draft loadtest clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -32,6 +32,18 @@ models: $(MODELS)/.prepared
 
 serve: models
 	$(PY) -m specdec.launch
+
+# The draft's and the target's ONNX graphs for ENGINE=onnxruntime, under .run/engines (the
+# server also exports them on demand); with ENGINE=tensorrt (GPU, TensorRT installed) also
+# their float16 plans for NUM_SLOTS x MAX_CONTEXT. TARGET_CHECKPOINT / DRAFT_CHECKPOINT pick
+# other checkpoints (HF directories or .gguf files).
+engines: models
+	$(PY) -m build.export_onnx $${TARGET_CHECKPOINT:-$(MODELS)/smollm2-135m-instruct} \
+		$${DRAFT_CHECKPOINT:-$(MODELS)/smollm2-135m-draft}
+	if [ "$(ENGINE)" = tensorrt ]; then $(PY) -m build.build_trt \
+		$${TARGET_CHECKPOINT:-$(MODELS)/smollm2-135m-instruct} \
+		$${DRAFT_CHECKPOINT:-$(MODELS)/smollm2-135m-draft} \
+		--num-slots $${NUM_SLOTS:-64} --max-context $${MAX_CONTEXT:-2048}; fi
 
 test: models
 	$(PY) -m ruff check .

@@ -2,8 +2,10 @@
 
     python -m specdec.launch            # what `make serve` runs; Ctrl-C stops it
 
-Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch),
-TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
+Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
+onnxruntime or tensorrt; specdec/engines.py), DEVICE (torch engine: cpu or cuda),
+DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
+.run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
 DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE. The repository in model_repository/ is rendered into .run/ with
 these values, so the committed configs stay usable as they are (docker compose mounts them).
 """
@@ -46,14 +48,19 @@ class ServerConfig:
             grpc_port=int(env.get("GRPC_PORT", 8001)),
             metrics_port=int(env.get("METRICS_PORT", 8002)),
         )
-        engine_keys = {
-            "ENGINE": "engine",
-            "NUM_SLOTS": "num_slots",
-            "MAX_CONTEXT": "max_context",
-        }
-        for var, key in engine_keys.items():
+        for var, key in {"NUM_SLOTS": "num_slots", "MAX_CONTEXT": "max_context"}.items():
             if env.get(var):
                 for model in ENGINE_MODELS + ("speculative_decoding",):
+                    config.parameters.setdefault(model, {})[key] = env[var]
+        engine_keys = {
+            "ENGINE": ("engine", ENGINE_MODELS),  # torch, onnxruntime, tensorrt
+            "DEVICE": ("device", ENGINE_MODELS),  # the torch engine's: cpu, cuda
+            "DRAFT_ENGINE_DIR": ("engine_dir", ("draft_model",)),
+            "TARGET_ENGINE_DIR": ("engine_dir", ("target_model",)),
+        }
+        for var, (key, models) in engine_keys.items():
+            if env.get(var):
+                for model in models:
                     config.parameters.setdefault(model, {})[key] = env[var]
         if env.get("TARGET_CHECKPOINT"):
             for model in (

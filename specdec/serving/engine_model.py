@@ -1,4 +1,7 @@
-"""Glue of draft_model and target_model: one engine call per request, no batching by Triton."""
+"""Glue of draft_model and target_model: one engine call per request, no batching by Triton.
+
+The `engine` parameter picks torch, onnxruntime or tensorrt (specdec/engines.py).
+"""
 
 from __future__ import annotations
 
@@ -6,22 +9,22 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec.engine import EngineBatch, run_draft, run_target
-from specdec.llama import LlamaEngine
+from specdec.engines import create_engine
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         params = model_parameters(args)
-        if params.get("engine", "torch") != "torch":
-            raise ValueError(f"engine {params['engine']!r} is not available in this build")
         self.role = params["role"]
         self.run = {"draft": run_draft, "target": run_target}[self.role]
-        self.engine = LlamaEngine.from_checkpoint(
+        self.engine = create_engine(
+            params.get("engine", "torch"),
             resolve_path(params["checkpoint"]),
             num_slots=int(params["num_slots"]),
             max_length=int(params["max_context"]),
             device=params.get("device", "cpu"),
+            engine_dir=resolve_path(params["engine_dir"]) if params.get("engine_dir") else None,
         )
         self.inputs = input_names(args)
 
