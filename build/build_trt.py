@@ -1,0 +1,98 @@
+"""Compiles the exported graph of checkpoints into TensorRT plans (GPU, TensorRT installed).
+
+    python -m build.build_trt models/smollm2-135m-instruct models/smollm2-135m-draft \
+        --num-slots 64 --max-context 2048 --dtype float16
+    python -m build.build_trt CHECKPOINT --print-profiles   # the profiles only (no GPU)
+
+Each checkpoint's graph is exported in --dtype (float16 or bfloat16) into <plan folder>/onnx,
+then built strongly typed with optimization profiles for --num-slots sequences of
+--max-context positions (specdec/trt_engine.py: optimization_profiles). Plans go to
+.run/engines/<checkpoint folder name>/tensorrt-<dtype>, where the tensorrt engine looks for
+them (or --out, one checkpoint). A plan that already covers the limits is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from build.export_onnx import hf_directory
+from specdec.trt_engine import default_plan_dir, ensure_plan, optimization_profiles
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class TrtBuildConfig:
+    checkpoints: list[Path]
+    out: Path | None
+    engines_root: Path
+    dtype: str
+    num_slots: int
+    max_context: int
+    print_profiles: bool
+
+
+def profiles_table(config: TrtBuildConfig, num_layers: int, kv_heads: int, head_dim: int):
+    """{profile name: {input: "min / opt / max"}} for the first input of each kind."""
+    shown = ("input_ids", "attention_mask", "logit_positions", "past_key.0")
+    return {
+        profile.name: {
+            name: " / ".join("x".join(map(str, shape)) for shape in shapes)
+            for name, shapes in profile.shapes(num_layers, kv_heads, head_dim).items()
+            if name in shown
+        }
+        for profile in optimization_profiles(config.num_slots, config.max_context)
+    }
+
+
+def run(config: TrtBuildConfig) -> list[Path]:
+    if config.out is not None and len(config.checkpoints) != 1:
+        raise ValueError("--out names the folder of one checkpoint")
+    written = []
+    for checkpoint in config.checkpoints:
+        source = hf_directory(checkpoint, PROJECT_ROOT / ".run" / "checkpoints")
+        if config.print_profiles:
+            hf = json.loads((source / "config.json").read_text())
+            from specdec.llama import LlamaConfig
+
+            c = LlamaConfig.from_hf(hf)
+            table = profiles_table(config, c.num_layers, c.num_kv_heads, c.head_dim)
+            print(json.dumps({str(checkpoint): table}, indent=1))
+            continue
+        plan_dir = config.out or default_plan_dir(source, config.engines_root, config.dtype)
+        start = time.time()
+        ensure_plan(source, plan_dir, config.num_slots, config.max_context, config.dtype)
+        print(f"{checkpoint} -> {plan_dir} ({time.time() - start:.0f} s)", flush=True)
+        written.append(plan_dir)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoints", nargs="+", type=Path, help="HF directories or .gguf")
+    parser.add_argument("--out", type=Path, help="plan folder (one checkpoint only)")
+    parser.add_argument("--engines-root", type=Path, default=PROJECT_ROOT / ".run" / "engines")
+    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    parser.add_argument("--num-slots", type=int, default=64)
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--print-profiles", action="store_true")
+    args = parser.parse_args()
+    run(
+        TrtBuildConfig(
+            checkpoints=args.checkpoints,
+            out=args.out,
+            engines_root=args.engines_root,
+            dtype=args.dtype,
+            num_slots=args.num_slots,
+            max_context=args.max_context,
+            print_profiles=args.print_profiles,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
