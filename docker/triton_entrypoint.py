@@ -1,0 +1,53 @@
+"""The `triton` service's command: the image's tritonserver on the rendered repository.
+
+The repository is rendered from the environment exactly as `make serve` does
+(specdec/launch.py: TARGET_CHECKPOINT, DRAFT_CHECKPOINT, ENGINE, DEVICE, NUM_SLOTS, ...),
+then /opt/tritonserver/bin/tritonserver serves it on all interfaces of the container
+(compose publishes the ports on 127.0.0.1 by default) with model control off and the
+repository, shared-memory, trace and logging APIs restricted to requests that carry the
+header `admin-key: $TRITON_ADMIN_KEY` (a random key when unset: nobody can call them).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from specdec.launch import ServerConfig, render_repository
+
+TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
+RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"
+
+
+def server_command(repository: Path, env: dict[str, str]) -> list[str]:
+    """tritonserver's argument list (the first item is the binary)."""
+    admin = f"admin-key={env.get('TRITON_ADMIN_KEY') or secrets.token_hex(16)}"
+    return [
+        env.get("TRITONSERVER", TRITONSERVER),
+        f"--model-repository={repository}",
+        "--model-control-mode=none",
+        "--http-port=8000",
+        "--grpc-port=8001",
+        "--metrics-port=8002",
+        f"--http-restricted-api={RESTRICTED_APIS}:{admin}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{admin}",
+        "--exit-timeout-secs=30",
+        f"--log-verbose={env.get('LOG_VERBOSE', '0')}",
+    ]
+
+
+def main() -> None:
+    env = dict(os.environ)
+    config = ServerConfig.from_env(env)
+    config.run_dir = Path(env.get("RUN_DIR", "/tmp/specdec"))
+    repository = render_repository(config)
+    command = server_command(repository, env)
+    print(f"tritonserver on {repository} (engine {env.get('ENGINE', 'torch')})", flush=True)
+    sys.stdout.flush()
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""docker-compose.yml, parsed (no Docker engine here): every path and command it names
+exists in the repository, and the triton service is what a GPU host needs."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec.launch import PROJECT_ROOT, ServerConfig, render_repository
+
+COMPOSE = PROJECT_ROOT / "docker-compose.yml"
+IMAGE_ROOT = "/opt/specdec"  # where docker/Dockerfile puts the repository
+GENERATED = {"models", "results", ".run/engines"}  # made by the build service / make
+
+
+def expand(value: str) -> str:
+    """${VAR:-default} -> default: the file as `docker compose up` reads it with no .env."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", re.sub(r"\$\{\w+\}", "", str(value)))
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def host_path(service: dict, container_path: str) -> Path | None:
+    """The repository path behind a container path (a volume, or the image's copy)."""
+    path = container_path
+    if not path.startswith("/"):
+        path = f"{service.get('working_dir', IMAGE_ROOT)}/{path}"
+    for volume in service.get("volumes", []):
+        source, target = expand(volume).split(":")[:2]
+        if path == target or path.startswith(target + "/"):
+            return (PROJECT_ROOT / source / path[len(target) :].lstrip("/")).resolve()
+    if path.startswith(IMAGE_ROOT + "/"):
+        return PROJECT_ROOT / path[len(IMAGE_ROOT) + 1 :]
+    return None
+
+
+def named_paths(words: list[str]) -> list[str]:
+    """Files and modules a command names: scripts, `-m module`, `-f file`, data files."""
+    found = []
+    for i, word in enumerate(words):
+        if i and words[i - 1] == "-m" and "." in word:
+            found.append(word.replace(".", "/") + ".py")
+        elif re.search(r"\.(py|sh|json|jsonl)$", word):
+            found.append(word)
+    return found
+
+
+def test_services_and_profiles(compose):
+    services = compose["services"]
+    assert set(services) == {"build", "triton", "locust", "sdk"}
+    assert "profiles" not in services["triton"] and "profiles" not in services["build"]
+    assert services["locust"]["profiles"] == ["loadtest"]
+    assert services["sdk"]["profiles"] == ["sdk"]
+    assert services["triton"]["depends_on"]["build"]["condition"] == (
+        "service_completed_successfully"
+    )
+
+
+def test_every_named_path_exists(compose):
+    checked = 0
+    for name, service in compose["services"].items():
+        words = [expand(w) for w in service.get("command", [])]
+        for path in named_paths(words):
+            resolved = host_path(service, path)
+            assert resolved is not None and resolved.exists(), f"{name}: {path}"
+            checked += 1
+        for volume in service.get("volumes", []):
+            source = expand(volume).split(":")[0].removeprefix("./")
+            assert (PROJECT_ROOT / source).exists() or source in GENERATED, f"{name}: {volume}"
+    assert checked >= 4  # build, triton, locust and sdk each name one
+
+
+def test_build_context_dockerfile_and_scripts_exist(compose):
+    build = compose["services"]["build"]["build"]
+    dockerfile = PROJECT_ROOT / build["context"] / build["dockerfile"]
+    copied = re.findall(r"^COPY (.+) \S+$", dockerfile.read_text(), re.MULTILINE)
+    sources = [s for line in copied for s in line.split()]
+    assert sources and all((PROJECT_ROOT / s).exists() for s in sources), sources
+    script = PROJECT_ROOT / "docker" / "build_engines.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    for path in named_paths(shlex.split(script.read_text(), comments=True)):
+        assert (PROJECT_ROOT / path).exists(), f"build_engines.sh: {path}"
+    assert all(
+        line.strip() in (PROJECT_ROOT / ".gitignore").read_text() for line in ("models/", ".run/")
+    )
+
+
+def test_triton_service_is_gpu_ready_healthy_and_local(compose):
+    triton = compose["services"]["triton"]
+    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
+    assert "localhost:8000" in " ".join(triton["healthcheck"]["test"])
+    assert triton["restart"] in ("on-failure", "unless-stopped")
+    for port in triton["ports"]:
+        assert expand(port).startswith("127.0.0.1:"), port
+    image = expand(compose["services"]["build"]["build"]["args"]["TRITON_IMAGE"])
+    sdk_image = expand(compose["services"]["sdk"]["image"])
+    for name, suffix in ((image, "-py3"), (sdk_image, "-py3-sdk")):
+        match = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d+)\.(\d+)" + suffix, name)
+        assert match and (int(match[1]), int(match[2])) >= (26, 3), name
+
+
+def load_entrypoint():
+    spec = importlib.util.spec_from_file_location(
+        "triton_entrypoint", PROJECT_ROOT / "docker" / "triton_entrypoint.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_entrypoint_restricts_apis_and_disables_model_control(tmp_path):
+    command = load_entrypoint().server_command(tmp_path, {"TRITON_ADMIN_KEY": "secret"})
+    assert command[0] == "/opt/tritonserver/bin/tritonserver"
+    assert "--model-control-mode=none" in command
+    for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+        (value,) = [c.split("=", 1)[1] for c in command if c.startswith(flag + "=")]
+        apis, header = value.split(":")
+        assert {"model-repository", "shared-memory"} <= set(apis.split(","))
+        assert header == "admin-key=secret"
+    unset = load_entrypoint().server_command(tmp_path, {})
+    assert not any("admin-key=:" in c or c.endswith("admin-key=") for c in unset)
+
+
+@pytest.mark.parametrize("engine", ["tensorrt", "torch"])
+def test_rendered_repository_for_the_gpu(compose, tmp_path, engine):
+    environment = {k: expand(v) for k, v in compose["services"]["triton"]["environment"].items()}
+    config = ServerConfig.from_env({**environment, "ENGINE": engine})
+    config.run_dir = tmp_path
+    repository = render_repository(config)
+    for model in ("draft_model", "target_model"):
+        text = (repository / model / "config.pbtxt").read_text()
+        assert f'key: "engine" value: {{ string_value: "{engine}" }}' in text
+        assert 'key: "device" value: { string_value: "cuda" }' in text
+        assert 'key: "num_slots" value: { string_value: "64" }' in text
+        checkpoint = re.search(r'key: "checkpoint" value: \{ string_value: "([^"]+)"', text)[1]
+        assert Path(checkpoint).is_absolute() and checkpoint.startswith(str(PROJECT_ROOT))
