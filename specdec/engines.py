@@ -33,7 +33,26 @@ def create_engine(
 
         return OnnxEngine.from_checkpoint(checkpoint, num_slots, max_length, engine_dir)
     if kind == "tensorrt":
+        require_tensorrt()
         from specdec.trt_engine import TrtEngine
 
         return TrtEngine.from_checkpoint(checkpoint, num_slots, max_length, engine_dir)
     raise ValueError(f"engine {kind!r}: expected one of {', '.join(ENGINES)}")
+
+
+def require_tensorrt() -> None:
+    """Fails clearly where the tensorrt engine cannot run (the fallback is torch on CUDA)."""
+    import importlib.util
+
+    import torch
+
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("a CUDA GPU")
+    if importlib.util.find_spec("tensorrt") is None:
+        missing.append("TensorRT's Python package (pip install tensorrt)")
+    if missing:
+        raise RuntimeError(
+            f"engine tensorrt needs {' and '.join(missing)}; "
+            "ENGINE=torch DEVICE=cuda runs on a GPU without TensorRT"
+        )

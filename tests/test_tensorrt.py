@@ -138,3 +138,13 @@ def test_tensorrt_plan_of_the_draft_follows_torch(tmp_path):
         args = (expected.argmax(-1), [1, 1], [0, 3], cached, [1, 1])
         cached = [c + 1 for c in cached]
     assert agree >= 30
+
+
+@pytest.mark.skipif(HAS_GPU and HAS_TENSORRT, reason="TensorRT can run here")
+def test_tensorrt_engine_without_gpu_or_tensorrt_names_the_fallback():
+    from specdec.engines import create_engine
+
+    with pytest.raises(RuntimeError, match="ENGINE=torch DEVICE=cuda"):
+        create_engine("tensorrt", DRAFT, 2, 64)
+    with pytest.raises(ValueError, match="expected one of torch, onnxruntime, tensorrt"):
+        create_engine("vllm", DRAFT, 2, 64)
