@@ -126,10 +126,16 @@ def greedy_texts(url: str, k: int) -> list[str]:
 
 
 @pytest.mark.server
-def test_onnxruntime_server_greedy_equals_torch_server(server):
-    for checkpoint in (TARGET, DRAFT):  # exported once, before the server's models load
-        ensure_exported(checkpoint, default_engine_dir(checkpoint, ENGINES_ROOT))
-    env = {"ENGINE": "onnxruntime", "NUM_SLOTS": "4", "MAX_CONTEXT": "256"}
+def test_onnxruntime_server_greedy_equals_torch_server(server, tmp_path):
+    ensure_exported(TARGET, default_engine_dir(TARGET, ENGINES_ROOT))  # the suite's cache
+    draft_dir = tmp_path / "draft-onnx"  # empty: the draft_model instance exports it on demand
+    env = {
+        "ENGINE": "onnxruntime",
+        "DRAFT_ENGINE_DIR": str(draft_dir),
+        "NUM_SLOTS": "4",
+        "MAX_CONTEXT": "256",
+    }
     with ManagedServer("test-onnxruntime", env) as onnx_server:
+        assert is_current(draft_dir, DRAFT)
         for k in (0, 4):
             assert greedy_texts(onnx_server.url, k) == greedy_texts(server.url, k)
