@@ -1,20 +1,24 @@
 """Starts the real Triton server (the 2.51 binary of PyPI's nvidia-pytriton) on the CPU.
 
     python -m specdec.launch            # what `make serve` runs; Ctrl-C stops it
+    python -m specdec.launch --exit-when-unready   # containers: exit 1 when a stub died
 
 Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
 onnxruntime or tensorrt; specdec/engines.py), DEVICE (torch engine: cpu or cuda),
 DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
 .run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
-DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE. The repository in model_repository/ is rendered into .run/ with
-these values, so the committed configs stay usable as they are (docker compose mounts them).
+DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, RUN_DIR (.run). The repository in model_repository/
+is rendered into RUN_DIR with these values, so the committed configs stay usable as they are
+(docker compose mounts them).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +52,8 @@ class ServerConfig:
             grpc_port=int(env.get("GRPC_PORT", 8001)),
             metrics_port=int(env.get("METRICS_PORT", 8002)),
         )
+        if env.get("RUN_DIR"):
+            config.run_dir = Path(env["RUN_DIR"])
         for var, key in {"NUM_SLOTS": "num_slots", "MAX_CONTEXT": "max_context"}.items():
             if env.get(var):
                 for model in ENGINE_MODELS + ("speculative_decoding",):
@@ -183,17 +189,79 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_pids(parent: int) -> list[int]:
+    """Direct children of a process (Linux /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def descendant_pids(parent: int) -> list[int]:
+    """Children, grandchildren, ... of a process."""
+    found, frontier = [], [parent]
+    while frontier:
+        children = [c for p in frontier for c in child_pids(p)]
+        found += children
+        frontier = children
+    return found
+
+
+def is_ready(http_port: int, host: str = "127.0.0.1") -> bool:
+    """Triton's readiness: every model loaded and its stub alive."""
+    try:
+        url = f"http://{host}:{http_port}/v2/health/ready"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:  # HTTPError (503: not ready) is an OSError too
+        return False
+
+
+def resident_bytes(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else 0
+
+
+def tree_resident_bytes(pid: int) -> int:
+    """Resident memory of a process and all its descendants."""
+    return sum(resident_bytes(p) for p in [pid, *descendant_pids(pid)])
+
+
 class ManagedServer:
     """A server of our own on free loopback ports (tests, benchmarks); stop() ends it."""
 
-    def __init__(self, name: str, env: dict[str, str] | None = None, timeout: float = 300.0):
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 300.0,
+        supervised: bool = False,
+    ):
+        """supervised: run it as `python -m specdec.launch --exit-when-unready` does (the
+        container's command), so `process` is the supervisor."""
         ports = {k: str(free_port()) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
-        self.config = ServerConfig.from_env({**ports, **(env or {})})
-        self.config.run_dir = PROJECT_ROOT / ".run" / name
+        run_dir = PROJECT_ROOT / ".run" / name
+        env = {**ports, **(env or {}), "RUN_DIR": str(run_dir)}
+        self.config = ServerConfig.from_env(env)
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.config.run_dir / "server.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = start(self.config, self.log)
+        if supervised:
+            command = [sys.executable, "-m", "specdec.launch", "--exit-when-unready"]
+            self.process = subprocess.Popen(
+                command, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT
+            )
+        else:
+            self.process = start(self.config, self.log)
         try:
             self._wait_ready(timeout)
         except Exception:
@@ -202,18 +270,13 @@ class ManagedServer:
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
-        url = f"http://127.0.0.1:{self.config.http_port}/v2/health/ready"
         while time.time() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"tritonserver exited with {self.process.returncode}; see {self.log_path}"
                 )
-            try:
-                with urllib.request.urlopen(url) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
+            if self.ready:
+                return
             time.sleep(1)
         raise TimeoutError(f"tritonserver not ready after {timeout} s; see {self.log_path}")
 
@@ -224,6 +287,22 @@ class ManagedServer:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.config.metrics_port}/metrics"
+
+    @property
+    def ready(self) -> bool:
+        return is_ready(self.config.http_port)
+
+    def stub_pid(self, model: str) -> int:
+        """The Python backend stub process that runs `model`."""
+        marker = f"/model_repository/{model}/"
+        for pid in descendant_pids(self.process.pid):
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                return pid
+        raise LookupError(f"no stub process for {model}")
+
+    def memory_bytes(self) -> int:
+        """Resident memory of tritonserver and its stub processes together."""
+        return tree_resident_bytes(self.process.pid)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -241,14 +320,67 @@ class ManagedServer:
         self.stop()
 
 
-def main() -> None:
-    config = ServerConfig.from_env()
+def process_alive(pid: int) -> bool:
+    """Running (a killed child that its parent has not reaped yet is a zombie: not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def supervise(config: ServerConfig, poll_s: float = 5.0, max_unready_polls: int = 3) -> int:
+    """Runs tritonserver as a child and passes SIGTERM / SIGINT on. Once the server has been
+    ready, a stub process that died, or `max_unready_polls` failed readiness checks in a row,
+    stop it and return 1. Triton 2.51 neither restarts a dead Python stub nor stops reporting
+    ready (its requests fail), so this process exits and a container restart policy
+    (compose `restart: on-failure`) brings up a fresh server."""
     command, env = server_command(config)
+    process = subprocess.Popen(command, env=env)
+    stopping = []
+
+    def forward(signum, _frame) -> None:
+        stopping.append(signum)
+        process.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    stubs: list[int] = []  # the stub processes, once the server is ready
+    misses = 0
+    while process.poll() is None:
+        time.sleep(poll_s)
+        if stopping:
+            continue
+        ready = is_ready(config.http_port)
+        if ready and not stubs:
+            stubs = descendant_pids(process.pid)
+        misses = 0 if ready or not stubs else misses + 1
+        dead = [pid for pid in stubs if not process_alive(pid)]
+        if dead or misses >= max_unready_polls:
+            reason = f"stub process {dead[0]} died" if dead else "no longer ready"
+            print(f"tritonserver: {reason}; stopping it", file=sys.stderr, flush=True)
+            process.terminate()
+            process.wait()
+            return 1
+    return process.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Starts tritonserver on the repository.")
+    parser.add_argument(
+        "--exit-when-unready",
+        action="store_true",
+        help="supervise the server and exit 1 when it stops being ready (containers)",
+    )
+    args = parser.parse_args()
+    config = ServerConfig.from_env()
     print(
         f"tritonserver on {config.address}: HTTP {config.http_port}, gRPC {config.grpc_port}, "
         f"metrics {config.metrics_port} (Ctrl-C stops it)",
         flush=True,
     )
+    if args.exit_when_unready:
+        sys.exit(supervise(config))
+    command, env = server_command(config)
     os.execve(command[0], command, env)  # the server gets Ctrl-C itself and shuts down cleanly
 
 

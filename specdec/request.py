@@ -157,6 +157,10 @@ def parse_request(
         raise InvalidInput("max_tokens", "required")
     if max_tokens <= 0:
         raise InvalidInput("max_tokens", f"must be > 0, got {max_tokens}")
+    if max_tokens > max_context:  # more can never fit in a slot
+        raise InvalidInput(
+            "max_tokens", f"must be <= the context of {max_context}, got {max_tokens}"
+        )
 
     temperature = _scalar(inputs, "temperature", float, 0.0)
     if not math.isfinite(temperature) or temperature < 0:

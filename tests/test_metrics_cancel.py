@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-import re
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 from conftest import hf_greedy_text
-from specdec.client import build_inputs, generate
+from live import scrape, start_victim, wait_for
+from specdec.client import generate
 
 pytestmark = pytest.mark.server
 
 NUM_SLOTS = 32  # the `server` fixture's
-
-
-def scrape(url: str) -> dict[str, float]:
-    """{'name{labels}': value} of the specdec_ series."""
-    text = urllib.request.urlopen(url).read().decode()
-    values = {}
-    for line in text.splitlines():
-        match = re.match(r"^(specdec_\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if match:
-            labels = re.sub(r',?model="[^"]*"', "", match.group(2) or "").replace("{,", "{")
-            key = match.group(1) + ("" if labels in ("", "{}") else labels)
-            values[key] = float(match.group(3))
-    return values
 
 
 def test_metrics_count_what_the_loop_did(server):
@@ -70,24 +54,6 @@ def test_invalid_requests_are_counted(server):
     after = scrape(server.metrics_url)
     key = 'specdec_requests_total{outcome="invalid"}'
     assert after[key] - before.get(key, 0) == 1
-
-
-def start_victim(url: str, prompt: str):
-    """A long stream to the BLS; returns its client and the list its chunks land in."""
-    chunks = []
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: chunks.append((result, error)))
-    client.async_stream_infer(
-        "speculative_decoding", build_inputs(prompt, max_tokens=1000, stream=True, end_id=-1)
-    )
-    return client, chunks
-
-
-def wait_for(condition, timeout=120.0):
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "condition not met"
-        time.sleep(0.05)
 
 
 def test_cancelled_stream_frees_its_slot_within_an_iteration(server):

@@ -52,6 +52,7 @@ def test_defaults():
         ("max_tokens", {**GOOD, "max_tokens": i32(0)}),
         ("max_tokens", {**GOOD, "max_tokens": i32(-3)}),
         ("max_tokens", {**GOOD, "max_tokens": f32(3.0)}),
+        ("max_tokens", {**GOOD, "max_tokens": i32(17)}),  # over the context
         ("temperature", {**GOOD, "temperature": f32(-0.1)}),
         ("temperature", {**GOOD, "temperature": f32(float("nan"))}),
         ("temperature", {**GOOD, "temperature": f32(float("inf"))}),

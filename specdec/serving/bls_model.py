@@ -142,6 +142,7 @@ class TritonPythonModel:
                     for sequence in self.scheduler.fail_all():
                         self._end(sequence, f"speculative_decoding: {error}")
                         self.metrics.finished("error")
+                    self.metrics.update_occupancy(0, 0, len(self.scheduler.free_slots))
                 continue
             with self.lock:
                 for update in updates:
@@ -150,8 +151,10 @@ class TritonPythonModel:
                         self.metrics.finished(update.sequence.finish_reason)
                 if self.scheduler.last_iteration is not None:
                     self.metrics.record_iteration(self.scheduler.last_iteration)
-                self.metrics.update_queue(
-                    len(self.scheduler.free_slots), len(self.scheduler.waiting)
+                self.metrics.update_occupancy(
+                    len(self.scheduler.running),
+                    len(self.scheduler.waiting),
+                    len(self.scheduler.free_slots),
                 )
 
     def _mark_cancelled(self) -> None:

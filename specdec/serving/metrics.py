@@ -66,12 +66,13 @@ class LoopMetrics:
         self.emitted_tokens.increment(sum(stats.emitted_per_row))
         for emitted in stats.emitted_per_row:
             self.tokens_per_pass.observe(emitted)
-        self.batch_size.set(stats.batch_size)
         self.current_k.set(stats.chosen_k)
 
-    def update_queue(self, free_slots: int, num_waiting: int) -> None:
-        self.free_slots.set(free_slots)
+    def update_occupancy(self, num_running: int, num_waiting: int, free_slots: int) -> None:
+        """After every step, also one that ran nothing (the last streams were cancelled)."""
+        self.batch_size.set(num_running)
         self.queued.set(num_waiting)
+        self.free_slots.set(free_slots)
 
     def finished(self, outcome: str) -> None:
         self.requests[outcome].increment(1)

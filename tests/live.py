@@ -1,0 +1,38 @@
+"""Helpers for tests against a live server: metrics scrapes, long streams, waiting."""
+
+from __future__ import annotations
+
+import time
+
+import tritonclient.grpc as grpcclient
+
+from specdec.client import build_inputs
+from specdec.client import scrape_metrics as scrape  # noqa: F401 - the tests' name for it
+
+
+def start_victim(url: str, prompt: str, max_tokens: int = 1000, model="speculative_decoding"):
+    """A long stream (no end token); returns its client and the list its responses land in."""
+    chunks = []
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: chunks.append((result, error)))
+    client.async_stream_infer(
+        model,
+        build_inputs(prompt, max_tokens=max_tokens, stream=True, end_id=-1),
+        enable_empty_final_response=True,
+    )
+    return client, chunks
+
+
+def is_final(result, error) -> bool:
+    """An error, or a response flagged final (needs enable_empty_final_response)."""
+    if error is not None:
+        return True
+    final = result.get_response().parameters.get("triton_final_response")
+    return final is not None and final.bool_param
+
+
+def wait_for(condition, timeout=120.0):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "condition not met"
+        time.sleep(0.05)

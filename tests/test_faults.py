@@ -1,0 +1,85 @@
+"""Faults: an engine process killed mid-generation, and SIGTERM under load.
+
+Each test starts a server of its own (they end it). Every request must end with a final
+response on every path: a lost one hangs its client and the model's unload.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from live import is_final, start_victim, wait_for
+from specdec.client import generate
+from specdec.launch import ManagedServer
+
+pytestmark = pytest.mark.server
+
+SMALL = {"NUM_SLOTS": "8", "MAX_CONTEXT": "512"}
+BLS, ENSEMBLE = "speculative_decoding", "ensemble"
+
+
+def streams_under_way(url: str, models: list[str]) -> list:
+    """Long streams, one per entry of `models`, each past its start."""
+    victims = [
+        start_victim(url, f"Write a long story about ship number {i}.", 400, model)
+        for i, model in enumerate(models)
+    ]
+    for _, responses in victims:
+        wait_for(lambda responses=responses: len(responses) >= 3)
+    return victims
+
+
+def final_error(responses: list) -> str:
+    """The message of the error that ended a stream."""
+    finals = [(r, e) for r, e in responses if is_final(r, e)]
+    assert len(finals) == 1, f"{len(finals)} final responses"
+    _, error = finals[0]
+    assert error is not None, "the stream ended without an error"
+    return error.message()
+
+
+def test_killed_engine_process_ends_every_request_and_the_supervisor_exits(target_dir):
+    # Supervised as in the container (`python -m specdec.launch --exit-when-unready`): Triton
+    # does not restart a dead stub, so the supervisor exits 1 and the restart policy acts.
+    server = ManagedServer("test-fault-kill", SMALL, supervised=True)
+    try:
+        victims = streams_under_way(server.url, [BLS, BLS, BLS, ENSEMBLE])
+        os.kill(server.stub_pid("target_model"), signal.SIGKILL)
+        for client, responses in victims:
+            wait_for(lambda responses=responses: any(is_final(r, e) for r, e in responses), 90)
+            assert "target" in final_error(responses)
+            client.close()
+        later = generate("Hello", url=server.url, model="speculative_decoding", max_tokens=4)
+        assert later.error is not None  # the engine is gone, or the server with it
+        # Triton 2.51 keeps answering ready with a dead stub: the supervisor sees the stub
+        # gone, stops the server (readiness false) and exits 1 for the restart policy.
+        assert server.process.wait(timeout=120) == 1
+        assert not server.ready
+    finally:
+        server.stop()
+
+
+def test_sigterm_under_load_ends_every_stream_within_the_exit_timeout(target_dir):
+    # Streams sent to the BLS. One through the ensemble stayed open until Triton's exit
+    # timeout ran out (Triton 2.51 kept counting it in flight after the BLS's final error),
+    # then ended with the connection: see README, Robustness.
+    server = ManagedServer("test-fault-sigterm", SMALL)
+    try:
+        victims = streams_under_way(server.url, [BLS, BLS, BLS, BLS])
+        server.process.send_signal(signal.SIGTERM)
+        for client, responses in victims:
+            wait_for(
+                lambda responses=responses: any(is_final(r, e) for r, e in responses),
+                server.config.exit_timeout_s,
+            )
+            # The BLS's next engine call meets a server that is no longer ready, or the model
+            # is unloaded first: either way a final error that says so.
+            message = final_error(responses)
+            assert "not ready" in message or "shutting down" in message, message
+            client.close()
+        server.process.wait(timeout=server.config.exit_timeout_s + 30)
+    finally:
+        server.stop()
