@@ -2,13 +2,15 @@
 
     .venv/bin/python loadtest/bench.py --modes k0,k4 --concurrency 1 --max-tokens 128
 
-For each concurrency level, each mode runs in turn on the same server (interleaved, so drift
-hits every mode alike): `concurrency` workers, each on its own gRPC stream, send
-`--requests-per-worker` streamed greedy requests back to back (more at low concurrency, so
-that every level has at least `--min-requests`). Per level and mode it records
-output tokens/s (all output tokens / wall time), p50/p99 request latency, time to first token
-and inter-chunk latency, and the acceptance rate. Writes results/<name>.json, .csv and .png
-and prints tokens/s ratios against k = 0. Without --url it starts its own server.
+For each concurrency level, each mode runs in turn on the same server (interleaved, the
+order alternating from level to level, so drift hits every mode alike): `concurrency`
+workers, each on its own gRPC stream, send streamed greedy requests back to back for
+`--level-seconds`. Output tokens/s is the server's emitted-token counter over that window,
+in which every stream is busy (the requests under way at its end then finish; counting
+whole requests instead would mix in a tail at lower concurrency). Per level and mode it also
+records p50/p99 request latency, time to first token and inter-chunk latency, and the
+acceptance rate. Writes results/<name>.json, .csv and .png and prints tokens/s ratios
+against k = 0. Without --url it starts its own server.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from report import finish_axes, percentile
-from specdec.client import StreamingClient
+from specdec.client import StreamingClient, scrape_metrics
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODES: dict[str, int | None] = {"k0": 0, "k2": 2, "k4": 4, "k8": 8, "adaptive": None}
@@ -34,9 +36,9 @@ class BenchConfig:
     modes: list[str]
     concurrency: list[int]
     max_tokens: int = 128
-    requests_per_worker: int = 2
-    min_requests: int = 8  # per level and mode: low concurrency gets more requests per worker
+    level_seconds: float = 40.0  # of sustained load per level and mode
     url: str | None = None  # None: start a server of our own
+    metrics_url: str | None = None  # with url: its metrics endpoint (steady-state tokens/s)
     model: str = "ensemble"
     prompts: Path = PROJECT_ROOT / "loadtest" / "prompts.jsonl"
     out_dir: Path = PROJECT_ROOT / "results"
@@ -52,8 +54,10 @@ class LevelResult:
     num_errors: int
     output_tokens: int
     wall_s: float
-    tokens_per_s: float
+    tokens_per_s: float  # while all `concurrency` streams were busy (server counter)
+    completed_tokens_per_s: float  # tokens of completed requests / wall time, tail included
     acceptance_rate: float
+    draft_tokens_per_output_token: float  # how much the mode speculated
     latency_p50_s: float
     latency_p99_s: float
     ttft_p50_s: float
@@ -71,18 +75,28 @@ def load_prompts(path: Path) -> list[str]:
     return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
 
 
+def emitted_tokens(metrics_url: str | None) -> float:
+    if metrics_url is None:
+        return 0.0
+    return scrape_metrics(metrics_url).get("specdec_emitted_tokens_total", 0.0)
+
+
 def run_level(
-    url: str, model: str, mode: str, concurrency: int, prompts: list[str], config: BenchConfig
+    url: str, mode: str, concurrency: int, prompts: list[str], config: BenchConfig
 ) -> LevelResult:
+    """`concurrency` streams send requests back to back for `level_seconds`; requests under
+    way at the end finish (their latencies count) but the throughput is the server's
+    emitted-token counter over the window in which every stream was busy."""
     results, lock = [], threading.Lock()
-    per_worker = max(config.requests_per_worker, -(-config.min_requests // concurrency))
+    deadline = time.perf_counter() + config.level_seconds
 
     def worker(index: int) -> None:
-        with StreamingClient(url, model) as client:
-            for r in range(per_worker):
-                prompt = prompts[(index * per_worker + r) % len(prompts)]
+        with StreamingClient(url, config.model) as client:
+            for r in itertools.count():
+                if r and time.perf_counter() >= deadline:  # every stream sends at least one
+                    return
                 result = client.generate(
-                    prompt,
+                    prompts[(index + r * concurrency) % len(prompts)],
                     max_tokens=config.max_tokens,
                     stream=True,
                     num_draft_tokens=MODES[mode],
@@ -94,9 +108,12 @@ def run_level(
                     results.append(result)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    start = time.perf_counter()
+    start, counted_before = time.perf_counter(), emitted_tokens(config.metrics_url)
     for thread in threads:
         thread.start()
+    time.sleep(max(0.0, deadline - time.perf_counter()))
+    window_tokens = emitted_tokens(config.metrics_url) - counted_before
+    window = time.perf_counter() - start
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - start
@@ -114,8 +131,10 @@ def run_level(
         num_errors=len(results) - len(ok),
         output_tokens=tokens,
         wall_s=wall,
-        tokens_per_s=tokens / wall,
+        tokens_per_s=window_tokens / window if config.metrics_url else tokens / wall,
+        completed_tokens_per_s=tokens / wall,
         acceptance_rate=accepted / drafted if drafted else 0.0,
+        draft_tokens_per_output_token=drafted / tokens if tokens else 0.0,
         latency_p50_s=percentile(latencies, 50),
         latency_p99_s=percentile(latencies, 99),
         ttft_p50_s=percentile(ttfts, 50),
@@ -178,27 +197,24 @@ def run(config: BenchConfig) -> list[LevelResult]:
         from specdec.launch import ManagedServer
 
         server = ManagedServer(f"bench-{config.name}", config.server_env)
+        config.metrics_url = server.metrics_url
     url = config.url or server.url
     try:
-        run_level(
-            url,
-            config.model,
-            config.modes[0],
-            1,
-            prompts[:1],
-            BenchConfig(
-                modes=[], concurrency=[], max_tokens=8, requests_per_worker=1, min_requests=1
-            ),
-        )
+        warm_up = BenchConfig(modes=[], concurrency=[], max_tokens=8, level_seconds=0.0)
+        warm_up.model = config.model
+        run_level(url, config.modes[0], 1, prompts[:1], warm_up)
         levels = []
-        for concurrency in config.concurrency:
-            for mode in config.modes:
-                level = run_level(url, config.model, mode, concurrency, prompts, config)
+        for i, concurrency in enumerate(config.concurrency):
+            # Alternate the order of the modes from level to level: drift hits each alike.
+            for mode in config.modes if i % 2 == 0 else config.modes[::-1]:
+                level = run_level(url, mode, concurrency, prompts, config)
                 levels.append(level)
                 print(
                     f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s  "
                     f"p99 latency {level.latency_p99_s:6.2f} s  "
-                    f"acceptance {level.acceptance_rate:.2f}  errors {level.num_errors}",
+                    f"acceptance {level.acceptance_rate:.2f}  "
+                    f"drafted/token {level.draft_tokens_per_output_token:.2f}  "
+                    f"errors {level.num_errors}",
                     flush=True,
                 )
     finally:
@@ -206,8 +222,7 @@ def run(config: BenchConfig) -> list[LevelResult]:
             server.stop()
     meta = {
         "max_tokens": config.max_tokens,
-        "requests_per_worker": config.requests_per_worker,
-        "min_requests": config.min_requests,
+        "level_seconds": config.level_seconds,
         "model": config.model,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "server_env": config.server_env,
@@ -225,11 +240,11 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--requests-per-worker", type=int, default=2)
     parser.add_argument(
-        "--min-requests", type=int, default=8, help="at least this many requests per level"
+        "--level-seconds", type=float, default=40.0, help="sustained load per level and mode"
     )
     parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
+    parser.add_argument("--metrics-url", default=None, help="with --url: http://host:8002/metrics")
     parser.add_argument("--model", default="ensemble")
     parser.add_argument("--name", default="bench", help="results/<name>.{json,csv,png}")
     parser.add_argument(
@@ -244,9 +259,9 @@ def main() -> None:
             modes=args.modes.split(","),
             concurrency=[int(c) for c in args.concurrency.split(",")],
             max_tokens=args.max_tokens,
-            requests_per_worker=args.requests_per_worker,
-            min_requests=args.min_requests,
+            level_seconds=args.level_seconds,
             url=args.url,
+            metrics_url=args.metrics_url,
             model=args.model,
             name=args.name,
             server_env=env,

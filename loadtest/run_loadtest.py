@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from report import finish_axes, percentile
+from specdec.client import wait_until_idle
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = PROJECT_ROOT / "loadtest" / "locustfile.py"
@@ -29,6 +30,7 @@ RUNS = {"adaptive": -1, "k0": 0}
 class LoadtestConfig:
     out_dir: Path = PROJECT_ROOT / "results" / "loadtest"
     url: str | None = None
+    metrics_url: str | None = None  # with url: its metrics endpoint
     smoke: bool = False
     stage_seconds: float = 45.0
     max_tokens: int = 128
@@ -121,7 +123,13 @@ def run(config: LoadtestConfig) -> dict:
         server = ManagedServer("loadtest")
     try:
         url = config.url or server.url
-        summary = {name: summarize(run_locust(config, url, name, k)) for name, k in RUNS.items()}
+        metrics_url = config.metrics_url or server.metrics_url
+        summary = {}
+        for name, k in RUNS.items():
+            # Streams Locust dropped at the end of a ramp finish on the server first: the next
+            # run starts on an idle server.
+            wait_until_idle(metrics_url)
+            summary[name] = summarize(run_locust(config, url, name, k))
     finally:
         if server is not None:
             server.stop()
@@ -150,7 +158,10 @@ def run(config: LoadtestConfig) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=None)
+    parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
+    parser.add_argument(
+        "--metrics-url", default=None, help="with --url, e.g. http://h:8002/metrics"
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--stage-seconds", type=float, default=45.0)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -158,6 +169,7 @@ def main() -> None:
     run(
         LoadtestConfig(
             url=args.url,
+            metrics_url=args.metrics_url,
             smoke=args.smoke,
             stage_seconds=args.stage_seconds,
             max_tokens=args.max_tokens,

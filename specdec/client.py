@@ -7,7 +7,9 @@ decides whether the server sends one response per iteration or one at the end.
 from __future__ import annotations
 
 import queue
+import re
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,3 +152,31 @@ def generate(
     """One request on a fresh stream."""
     with StreamingClient(url, model) as client:
         return client.generate(prompt, **params)
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """The specdec_ series of a metrics endpoint: {'name{labels}': value}, model label dropped."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^(specdec_\w+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if match:
+            labels = re.sub(r',?model="[^"]*"', "", match.group(2) or "").replace("{,", "{")
+            key = match.group(1) + ("" if labels in ("", "{}") else labels)
+            values[key] = float(match.group(3))
+    return values
+
+
+def wait_until_idle(metrics_url: str, timeout: float = 900.0) -> None:
+    """Until the loop has nothing running or queued: abandoned streams to the ensemble go on
+    until they finish (an ensemble step does not hear of a cancellation)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape_metrics(metrics_url)
+        if not values.get("specdec_running_batch_size") and not values.get(
+            "specdec_queued_requests"
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server still busy after {timeout} s: {metrics_url}")
+        time.sleep(1.0)
