@@ -11,7 +11,7 @@ METRICS_PORT ?= 8002
 ENGINE ?= torch
 export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE
 
-.PHONY: venv models serve engines test test-unit lint format client draft bench bench-draft loadtest clean
+.PHONY: venv models serve engines test test-unit lint format client draft bench bench-draft loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -76,6 +76,10 @@ bench: models
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models
 	$(PY) loadtest/bench_draft.py
+
+# 10 minutes of bounded load on a server of its own: zero failures, memory growth < 10%.
+soak: models
+	$(PY) loadtest/soak.py --duration 600 --concurrency 8
 
 # Locust ramp 1..256 users, adaptive and k = 0 (about 25 minutes).
 loadtest: models

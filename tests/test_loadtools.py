@@ -82,3 +82,36 @@ def test_perf_analyzer_streams_the_ensemble(server):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Concurrency: 2, throughput:" in result.stdout
+
+
+def test_short_soak_has_no_failures_and_flat_memory(server, tmp_path: Path):
+    # The CI variant of `make soak` (10 minutes there): one minute, 20 s of warm-up.
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "loadtest" / "soak.py"),
+            "--url",
+            server.url,
+            "--pid",
+            str(server.process.pid),
+            "--duration",
+            "60",
+            "--warmup",
+            "20",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "32",
+            "--name",
+            "soak-ci",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        timeout=300,
+        cwd=PROJECT_ROOT,
+    )
+    report = json.loads((tmp_path / "soak-ci.json").read_text())
+    assert report["requests"] >= 8
+    assert report["failures"] == 0, report["errors"]
+    assert report["growth"] is not None and report["growth"] < 0.10
+    assert completed.returncode == 0
