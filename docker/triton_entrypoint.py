@@ -6,16 +6,18 @@ then /opt/tritonserver/bin/tritonserver serves it on all interfaces of the conta
 (compose publishes the ports on 127.0.0.1 by default) with model control off and the
 repository, shared-memory, trace and logging APIs restricted to requests that carry the
 header `admin-key: $TRITON_ADMIN_KEY` (a random key when unset: nobody can call them).
+It runs under specdec.launch.supervise: a dead stub process stops the container (exit 1).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import sys
 from pathlib import Path
 
-from specdec.launch import ServerConfig, render_repository
+from specdec.launch import ServerConfig, render_repository, supervise
 
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"
@@ -35,6 +37,7 @@ def server_command(repository: Path, env: dict[str, str]) -> list[str]:
         f"--grpc-restricted-protocol={RESTRICTED_APIS}:{admin}",
         "--exit-timeout-secs=30",
         f"--log-verbose={env.get('LOG_VERBOSE', '0')}",
+        *shlex.split(env.get("TRITON_ARGS", "")),  # e.g. TLS: --grpc-use-ssl=true ...
     ]
 
 
@@ -45,8 +48,9 @@ def main() -> None:
     repository = render_repository(config)
     command = server_command(repository, env)
     print(f"tritonserver on {repository} (engine {env.get('ENGINE', 'torch')})", flush=True)
-    sys.stdout.flush()
-    os.execv(command[0], command)
+    # Supervised: Triton 2.51 keeps answering ready when a Python stub has died, so the
+    # supervisor exits 1 when one does, and compose's restart policy brings up a fresh server.
+    sys.exit(supervise(command, env, http_port=8000))
 
 
 if __name__ == "__main__":

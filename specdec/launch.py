@@ -328,13 +328,18 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def supervise(config: ServerConfig, poll_s: float = 5.0, max_unready_polls: int = 3) -> int:
+def supervise(
+    command: list[str],
+    env: dict[str, str],
+    http_port: int,
+    poll_s: float = 5.0,
+    max_unready_polls: int = 3,
+) -> int:
     """Runs tritonserver as a child and passes SIGTERM / SIGINT on. Once the server has been
     ready, a stub process that died, or `max_unready_polls` failed readiness checks in a row,
     stop it and return 1. Triton 2.51 neither restarts a dead Python stub nor stops reporting
     ready (its requests fail), so this process exits and a container restart policy
     (compose `restart: on-failure`) brings up a fresh server."""
-    command, env = server_command(config)
     process = subprocess.Popen(command, env=env)
     stopping = []
 
@@ -350,7 +355,7 @@ def supervise(config: ServerConfig, poll_s: float = 5.0, max_unready_polls: int 
         time.sleep(poll_s)
         if stopping:
             continue
-        ready = is_ready(config.http_port)
+        ready = is_ready(http_port)
         if ready and not stubs:
             stubs = descendant_pids(process.pid)
         misses = 0 if ready or not stubs else misses + 1
@@ -378,9 +383,9 @@ def main() -> None:
         f"metrics {config.metrics_port} (Ctrl-C stops it)",
         flush=True,
     )
-    if args.exit_when_unready:
-        sys.exit(supervise(config))
     command, env = server_command(config)
+    if args.exit_when_unready:
+        sys.exit(supervise(command, env, config.http_port))
     os.execve(command[0], command, env)  # the server gets Ctrl-C itself and shuts down cleanly
 
 
