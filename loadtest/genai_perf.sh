@@ -17,7 +17,7 @@ SHIM=$ROOT/.run/genai-perf-bin
 mkdir -p "$SHIM"
 ln -sf "$ROOT/loadtest/perf_analyzer.sh" "$SHIM/perf_analyzer"
 export PATH="$SHIM:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec "$VENV/bin/genai-perf" profile -m ensemble --service-kind triton --backend tensorrtllm \
+exec "$VENV/bin/genai-perf" profile -m ensemble --endpoint-type kserve --backend tensorrtllm \
   --streaming --tokenizer "$ROOT/models/smollm2-135m-instruct" \
   --synthetic-input-tokens-mean 64 --synthetic-input-tokens-stddev 0 \
   --output-tokens-mean 64 --artifact-dir "$ROOT/results/genai-perf" "$@"

@@ -8,7 +8,7 @@
 # into .run/perf_analyzer/sysroot and runs the binary through that loader. Nothing outside
 # .run/ changes.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)  # also when called through a link
 DIR=$ROOT/.run/perf_analyzer
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 BIN=$DIR/pkg/perf_analyzer/bin/perf_analyzer
