@@ -63,26 +63,34 @@ class SoakResult:
         return self.failures == 0 and (self.growth is None or self.growth < max_growth)
 
 
-def worker(index: int, url: str, prompts: list[str], config: SoakConfig, deadline: float, out):
+def worker(
+    index: int,
+    url: str,
+    prompts: list[str],
+    config: SoakConfig,
+    deadline: float,
+    result: SoakResult,
+    lock: threading.Lock,
+) -> None:
     with StreamingClient(url, config.model) as client:
         n = index
         while time.monotonic() < deadline:
             params = REQUEST_MIX[n % len(REQUEST_MIX)]
-            result = client.generate(
+            generated = client.generate(
                 prompts[n % len(prompts)],
                 max_tokens=config.max_tokens,
                 stream=True,
                 return_num_output_tokens=True,
                 **params,
             )
-            with out["lock"]:
-                out["result"].requests += 1
-                if result.error is not None:
-                    out["result"].failures += 1
-                    if len(out["result"].errors) < 5:
-                        out["result"].errors.append(result.error.message())
+            with lock:
+                result.requests += 1
+                if generated.error is not None:
+                    result.failures += 1
+                    if len(result.errors) < 5:
+                        result.errors.append(generated.error.message())
                 else:
-                    out["result"].output_tokens += int(result.metrics.get("num_output_tokens", 0))
+                    result.output_tokens += int(generated.metrics.get("num_output_tokens", 0))
             n += config.concurrency
 
 
@@ -113,7 +121,7 @@ def run(config: SoakConfig) -> SoakResult:
         threads = [
             threading.Thread(
                 target=worker,
-                args=(i, url, prompts, config, deadline, {"lock": lock, "result": result}),
+                args=(i, url, prompts, config, deadline, result, lock),
             )
             for i in range(config.concurrency)
         ]

@@ -189,26 +189,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_pids(parent: int) -> list[int]:
-    """Direct children of a process (Linux /proc)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(stat.parent.name))
-    return children
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: [state, ppid, ...]; None once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def descendant_pids(parent: int) -> list[int]:
-    """Children, grandchildren, ... of a process."""
+    """Children, grandchildren, ... of a process (Linux /proc, read once)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat_fields(entry.name)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, frontier = [], [parent]
     while frontier:
-        children = [c for p in frontier for c in child_pids(p)]
-        found += children
-        frontier = children
+        frontier = [c for p in frontier for c in children.get(p, [])]
+        found += frontier
     return found
 
 
@@ -322,10 +321,8 @@ class ManagedServer:
 
 def process_alive(pid: int) -> bool:
     """Running (a killed child that its parent has not reaped yet is a zombie: not alive)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def supervise(
