@@ -15,10 +15,26 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A KV cache that reads as zero where nothing was written yet.
+
+    Batched attention reads never-written positions (slots in the call's slot range that are
+    not in the call, positions past a short row) and masks them; a masked NaN still poisons
+    the softmax, so the cache must not start as whatever the allocator hands back. On CPU
+    the zeros come from calloc, whose large blocks are fresh pages: memory still follows use.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -187,11 +203,9 @@ class LlamaEngine:
                 }
             )
         c = config
-        # torch.empty: pages are touched only when a position is written, so memory follows use.
         shape = (c.num_layers, num_slots, c.num_kv_heads, max_length, c.head_dim)
-        dtype = self.embed.dtype
-        self.k_cache = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
+        self.k_cache = zeroed_cache(shape, self.embed.dtype, self.device)
+        self.v_cache = zeroed_cache(shape, self.embed.dtype, self.device)
         self.inv_freq = rope_inv_freq(c).to(self.device)
 
     @classmethod

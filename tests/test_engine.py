@@ -113,3 +113,22 @@ def test_top_p_keeps_the_smallest_nucleus():
     )
     probs = probs_from_logits(logits, sampling)
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_unwritten_cache_memory_never_reaches_the_logits(target_dir, monkeypatch):
+    """Batched attention reads (and masks) positions nothing has written yet: slots in the
+    call's slot range but not in the call, positions past a short row. If the cache started
+    as reused allocator memory holding NaN, a masked NaN would still poison the softmax
+    (this failed in CI). Allocation is made to hand back NaN; logits must stay finite."""
+    real_empty = torch.empty
+
+    def used_memory(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", used_memory)
+    engine = LlamaEngine.from_checkpoint(target_dir, num_slots=4, max_length=64)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    # Rows in slots 0 and 3 of different lengths: slots 1 and 2 are in the window, unused.
+    engine.forward(torch.arange(10, 22), [9, 3], [0, 3], [0, 0], [1, 1])
+    logits = engine.forward(torch.tensor([5, 6]), [1, 1], [0, 3], [9, 3], [1, 1])
+    assert torch.isfinite(logits).all()
