@@ -2,15 +2,17 @@
 
     .venv/bin/python loadtest/bench.py --modes k0,k4 --concurrency 1 --max-tokens 128
 
-For each concurrency level, each mode runs in turn on the same server (interleaved, the
-order alternating from level to level, so drift hits every mode alike): `concurrency`
-workers, each on its own gRPC stream, send streamed greedy requests back to back for
-`--level-seconds`. Output tokens/s is the server's emitted-token counter over that window,
-in which every stream is busy (the requests under way at its end then finish; counting
-whole requests instead would mix in a tail at lower concurrency). Per level and mode it also
-records p50/p99 request latency, time to first token and inter-chunk latency, and the
-acceptance rate. Writes results/<name>.json, .csv and .png and prints tokens/s ratios
-against k = 0. Without --url it starts its own server.
+For each concurrency level, the modes take turns on the same server in two windows each,
+in mirrored order (k0 k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so
+that drift in the machine's speed over a level hits every mode alike: on these shared
+machines the same target call measured 10% apart a few minutes later. In a window,
+`concurrency` workers, each on its own gRPC stream, send streamed greedy requests back to
+back for half of `--level-seconds`. Output tokens/s is the server's emitted-token counter
+over the windows, in which every stream is busy (the requests under way at a window's end
+then finish; counting whole requests instead would mix in a tail at lower concurrency).
+Per level and mode it also records p50/p99 request latency, time to first token and
+inter-chunk latency, and the acceptance rate. Writes results/<name>.json, .csv and .png
+and prints tokens/s ratios against k = 0. Without --url it starts its own server.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class BenchConfig:
     modes: list[str]
     concurrency: list[int]
     max_tokens: int = 128
-    level_seconds: float = 40.0  # of sustained load per level and mode
+    level_seconds: float = 40.0  # of sustained load per level and mode, in two windows
     url: str | None = None  # None: start a server of our own
     metrics_url: str | None = None  # with url: its metrics endpoint (steady-state tokens/s)
     model: str = "ensemble"
@@ -55,6 +57,7 @@ class LevelResult:
     output_tokens: int
     wall_s: float
     tokens_per_s: float  # while all `concurrency` streams were busy (server counter)
+    window_tokens_per_s: list[float]  # each window's own figure: the spread drift leaves
     completed_tokens_per_s: float  # tokens of completed requests / wall time, tail included
     acceptance_rate: float
     draft_tokens_per_output_token: float  # how much the mode speculated
@@ -81,14 +84,24 @@ def emitted_tokens(metrics_url: str | None) -> float:
     return scrape_metrics(metrics_url).get("specdec_emitted_tokens_total", 0.0)
 
 
-def run_level(
-    url: str, mode: str, concurrency: int, prompts: list[str], config: BenchConfig
-) -> LevelResult:
-    """`concurrency` streams send requests back to back for `level_seconds`; requests under
-    way at the end finish (their latencies count) but the throughput is the server's
-    emitted-token counter over the window in which every stream was busy."""
+@dataclass
+class Window:
+    """One mode's stretch of sustained load: its requests and the server's count of tokens."""
+
+    results: list
+    tokens: float  # emitted while every stream was busy (server counter)
+    seconds: float  # that window
+    wall: float  # until the last request under way at its end finished
+
+
+def run_window(
+    url: str, mode: str, concurrency: int, prompts: list[str], config: BenchConfig, seconds: float
+) -> Window:
+    """`concurrency` streams send requests back to back for `seconds`; requests under way at
+    the end finish (their latencies count), but only the tokens emitted while every stream
+    was busy count towards throughput."""
     results, lock = [], threading.Lock()
-    deadline = time.perf_counter() + config.level_seconds
+    deadline = time.perf_counter() + seconds
 
     def worker(index: int) -> None:
         with StreamingClient(url, config.model) as client:
@@ -112,11 +125,17 @@ def run_level(
     for thread in threads:
         thread.start()
     time.sleep(max(0.0, deadline - time.perf_counter()))
-    window_tokens = emitted_tokens(config.metrics_url) - counted_before
+    tokens = emitted_tokens(config.metrics_url) - counted_before
     window = time.perf_counter() - start
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - start
+    return Window(results, tokens, window, time.perf_counter() - start)
+
+
+def summarize(mode: str, concurrency: int, windows: list[Window], counted: bool) -> LevelResult:
+    """One mode at one level, over all its windows (`counted`: the server counted tokens)."""
+    results = [r for w in windows for r in w.results]
+    wall = sum(w.wall for w in windows)
     ok = [r for r in results if r.error is None]
     tokens = sum(int(r.metrics.get("num_output_tokens", 0)) for r in ok)
     drafted = sum(r.metrics.get("total_draft_tokens", 0) for r in ok)
@@ -124,6 +143,16 @@ def run_level(
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r.chunk_times)]
     latencies = [r.elapsed for r in ok]
     ttfts = [r.time_to_first_token for r in ok if r.time_to_first_token is not None]
+    if counted:
+        per_window = [w.tokens / w.seconds for w in windows]
+        tokens_per_s = sum(w.tokens for w in windows) / sum(w.seconds for w in windows)
+    else:
+        per_window = [
+            sum(int(r.metrics.get("num_output_tokens", 0)) for r in w.results if r.error is None)
+            / w.wall
+            for w in windows
+        ]
+        tokens_per_s = tokens / wall
     return LevelResult(
         mode=mode,
         concurrency=concurrency,
@@ -131,7 +160,8 @@ def run_level(
         num_errors=len(results) - len(ok),
         output_tokens=tokens,
         wall_s=wall,
-        tokens_per_s=window_tokens / window if config.metrics_url else tokens / wall,
+        tokens_per_s=tokens_per_s,
+        window_tokens_per_s=[round(x, 2) for x in per_window],
         completed_tokens_per_s=tokens / wall,
         acceptance_rate=accepted / drafted if drafted else 0.0,
         draft_tokens_per_output_token=drafted / tokens if tokens else 0.0,
@@ -142,6 +172,13 @@ def run_level(
         inter_chunk_p50_s=percentile(gaps, 50),
         inter_chunk_p99_s=percentile(gaps, 99),
     )
+
+
+def window_schedule(modes: list[str], level_index: int) -> list[str]:
+    """Each mode twice, in mirrored order (A B C D D C B A), the order itself alternating
+    from level to level: drift that is linear over a level hits every mode alike."""
+    order = modes if level_index % 2 == 0 else modes[::-1]
+    return order + order[::-1]
 
 
 def ratio_table(levels: list[LevelResult], modes: list[str]) -> str:
@@ -202,15 +239,20 @@ def run(config: BenchConfig) -> list[LevelResult]:
     try:
         warm_up = BenchConfig(modes=[], concurrency=[], max_tokens=8, level_seconds=0.0)
         warm_up.model = config.model
-        run_level(url, config.modes[0], 1, prompts[:1], warm_up)
+        run_window(url, config.modes[0], 1, prompts[:1], warm_up, 0.0)
         levels = []
         for i, concurrency in enumerate(config.concurrency):
-            # Alternate the order of the modes from level to level: drift hits each alike.
-            for mode in config.modes if i % 2 == 0 else config.modes[::-1]:
-                level = run_level(url, mode, concurrency, prompts, config)
+            windows: dict[str, list[Window]] = {mode: [] for mode in config.modes}
+            schedule = window_schedule(config.modes, i)
+            for mode in schedule:
+                seconds = config.level_seconds / schedule.count(mode)
+                windows[mode].append(run_window(url, mode, concurrency, prompts, config, seconds))
+            for mode in config.modes:
+                level = summarize(mode, concurrency, windows[mode], config.metrics_url is not None)
                 levels.append(level)
                 print(
-                    f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s  "
+                    f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s "
+                    f"(windows {', '.join(f'{x:.1f}' for x in level.window_tokens_per_s)})  "
                     f"p99 latency {level.latency_p99_s:6.2f} s  "
                     f"acceptance {level.acceptance_rate:.2f}  "
                     f"drafted/token {level.draft_tokens_per_output_token:.2f}  "
@@ -246,7 +288,8 @@ def main() -> None:
     parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
     parser.add_argument("--metrics-url", default=None, help="with --url: http://host:8002/metrics")
     parser.add_argument("--model", default="ensemble")
-    parser.add_argument("--name", default="bench", help="results/<name>.{json,csv,png}")
+    parser.add_argument("--name", default="bench", help="<out-dir>/<name>.{json,csv,png}")
+    parser.add_argument("--out-dir", type=Path, default=PROJECT_ROOT / "results")
     parser.add_argument(
         "--server-env",
         default="",
@@ -264,6 +307,7 @@ def main() -> None:
             metrics_url=args.metrics_url,
             model=args.model,
             name=args.name,
+            out_dir=args.out_dir,
             server_env=env,
         )
     )

@@ -115,3 +115,49 @@ def test_short_soak_has_no_failures_and_flat_memory(server, tmp_path: Path):
     assert report["failures"] == 0, report["errors"]
     assert report["growth"] is not None and report["growth"] < 0.10
     assert completed.returncode == 0
+
+
+def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
+    """`make bench` in miniature: both modes, two windows each, figures from the server."""
+    subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "loadtest" / "bench.py"),
+            "--url",
+            server.url,
+            "--metrics-url",
+            server.metrics_url,
+            "--modes",
+            "k0,adaptive",
+            "--concurrency",
+            "1,2",
+            "--level-seconds",
+            "6",
+            "--max-tokens",
+            "16",
+            "--name",
+            "bench-ci",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        check=True,
+    )
+    levels = json.loads((tmp_path / "bench-ci.json").read_text())["levels"]
+    assert sorted((r["mode"], r["concurrency"]) for r in levels) == [
+        ("adaptive", 1),
+        ("adaptive", 2),
+        ("k0", 1),
+        ("k0", 2),
+    ]
+    for level in levels:
+        assert level["num_errors"] == 0 and level["num_requests"] >= level["concurrency"] * 2
+        assert len(level["window_tokens_per_s"]) == 2
+        assert all(x > 0 for x in level["window_tokens_per_s"])
+        assert level["tokens_per_s"] > 0 and level["latency_p99_s"] > 0
+    k0 = [r for r in levels if r["mode"] == "k0"]
+    assert all(r["draft_tokens_per_output_token"] == 0 for r in k0)
+    with (tmp_path / "bench-ci.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 4
+    assert (tmp_path / "bench-ci.png").stat().st_size > 0
