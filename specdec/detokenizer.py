@@ -4,8 +4,7 @@ A token can end in the middle of a UTF-8 character, and byte-level BPE tokens ca
 leading space, so text is cut from the decode of a small window of tokens that starts at a
 clean boundary: delta = decode(window)[len(decode(context)):], where the context is the
 window's already-emitted head. Text that ends in U+FFFD (an incomplete character) is held
-back until a later token completes it. The same rule (`text_delta`) runs in the BLS and in
-the postprocessing model, so the ensemble's text equals the BLS's own.
+back until a later token completes it.
 """
 
 from __future__ import annotations

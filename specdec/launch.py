@@ -69,12 +69,7 @@ class ServerConfig:
                 for model in models:
                     config.parameters.setdefault(model, {})[key] = env[var]
         if env.get("TARGET_CHECKPOINT"):
-            for model in (
-                "target_model",
-                "speculative_decoding",
-                "preprocessing",
-                "postprocessing",
-            ):
+            for model in ("target_model", "speculative_decoding", "preprocessing"):
                 config.parameters.setdefault(model, {})["checkpoint"] = env["TARGET_CHECKPOINT"]
         if env.get("DRAFT_CHECKPOINT"):
             config.parameters.setdefault("draft_model", {})["checkpoint"] = env["DRAFT_CHECKPOINT"]

@@ -43,7 +43,7 @@ class GenerationRequest:
     prompt: str | None  # text_input; None when the client sent input_ids
     prompt_ids: list[int]
     max_tokens: int
-    prompt_from_ids: bool = False  # input_ids sent (the ensemble): answer with token windows
+    prompt_from_ids: bool = False  # input_ids sent (the ensemble's preprocessing)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -63,18 +63,20 @@ def test_killed_engine_process_ends_every_request_and_the_supervisor_exits(targe
 
 
 def test_sigterm_under_load_ends_every_stream_within_the_exit_timeout(target_dir):
-    # Streams sent to the BLS. One through the ensemble stayed open until Triton's exit
-    # timeout ran out (Triton 2.51 kept counting it in flight after the BLS's final error),
-    # then ended with the connection: see README, Robustness.
+    # Through the ensemble too: a stream there used to get no final response at all (a step
+    # after the BLS was refused once the server stopped, and Triton 2.51's ensemble then
+    # dropped the BLS's final error) and held the server's exit; see the ensemble config.
     server = ManagedServer("test-fault-sigterm", SMALL)
     try:
-        victims = streams_under_way(server.url, [BLS, BLS, BLS, BLS])
+        victims = streams_under_way(server.url, [BLS, BLS, ENSEMBLE, ENSEMBLE])
         server.process.send_signal(signal.SIGTERM)
-        for client, responses in victims:
+        for _, responses in victims:
             wait_for(
                 lambda responses=responses: any(is_final(r, e) for r, e in responses),
                 server.config.exit_timeout_s,
             )
+        assert server.process.poll() is None  # the server ended them, not a dropped connection
+        for client, responses in victims:
             # The BLS's next engine call meets a server that is no longer ready, or the model
             # is unloaded first: either way a final error that says so.
             message = final_error(responses)

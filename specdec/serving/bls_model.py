@@ -179,16 +179,10 @@ class TritonPythonModel:
         prefix = ""
         if not request.stream and not request.exclude_input_in_output:
             prefix = request.prompt or ""
-        if request.prompt_from_ids:  # the ensemble: postprocessing makes the text
-            window = np.array([chunk.window_ids], dtype=np.int32)  # (1, n)
-            tensors = [
-                pb_utils.Tensor("output_ids", window),
-                _tensor("num_context_ids", chunk.num_context_ids, np.int32),
-                _tensor("output_prefix", prefix.encode("utf-8"), np.object_),
-            ]
-        else:
-            text = prefix + chunk.text
-            tensors = [_tensor("text_output", text.encode("utf-8"), np.object_)]
+        # The ensemble's text too: a step after this one would be refused once the server
+        # stops, and Triton 2.51's ensemble then never ends the stream (ensemble config).
+        text = prefix + chunk.text
+        tensors = [_tensor("text_output", text.encode("utf-8"), np.object_)]
         if update.finished:
             tensors += self._final_tensors(sequence)
         client = self.clients[sequence.id]

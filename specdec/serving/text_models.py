@@ -1,11 +1,10 @@
-"""Glue of preprocessing (tokenize) and postprocessing (token window -> new text)."""
+"""Glue of preprocessing (tokenize); the BLS detokenizes (specdec.detokenizer)."""
 
 from __future__ import annotations
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.detokenizer import text_delta
 from specdec.serving.common import model_parameters, read_inputs, resolve_path
 from specdec.tokenizer import load_tokenizer
 
@@ -34,25 +33,5 @@ class Preprocessing:
             ids = np.array([self.tokenizer.encode(prompt)], dtype=np.int32)  # (1, n)
             responses.append(
                 pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("input_ids", ids)])
-            )
-        return responses
-
-
-class Postprocessing:
-    def initialize(self, args: dict) -> None:
-        self.tokenizer = load_tokenizer(resolve_path(model_parameters(args)["checkpoint"]))
-
-    def execute(self, requests):
-        names = ["output_ids", "num_context_ids", "output_prefix"]
-        responses = []
-        for request in requests:
-            inputs = read_inputs(request, names)
-            window = inputs["output_ids"].reshape(-1).tolist()
-            num_context = int(inputs["num_context_ids"].reshape(-1)[0])
-            text = text_delta(self.tokenizer.decode, window, num_context)
-            text = inputs["output_prefix"].reshape(-1)[0].decode("utf-8") + text
-            out = np.array([[text.encode("utf-8")]], dtype=np.object_)
-            responses.append(
-                pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("text_output", out)])
             )
         return responses

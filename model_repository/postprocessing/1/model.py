@@ -1,3 +1,0 @@
-from specdec.serving.text_models import Postprocessing as TritonPythonModel
-
-__all__ = ["TritonPythonModel"]
