@@ -10,7 +10,6 @@ back until a later token completes it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -19,13 +18,6 @@ def text_delta(decode: Decode, window_ids: Sequence[int], num_context_ids: int) 
     """New text of `window_ids` past its first `num_context_ids` tokens."""
     context = decode(window_ids[:num_context_ids]) if num_context_ids else ""
     return decode(window_ids)[len(context) :]
-
-
-@dataclass
-class Chunk:
-    text: str  # new text
-    window_ids: list[int]  # context tokens + new tokens: text == text_delta(window, context)
-    num_context_ids: int
 
 
 class IncrementalDetokenizer:
@@ -51,14 +43,14 @@ class IncrementalDetokenizer:
         tail = self.text[max(0, tail_start) :] + pending
         return any(word in tail for word in self.stop_words)
 
-    def take(self, final: bool = False) -> Chunk:
+    def take(self, final: bool = False) -> str:
         """The text not yet taken; an incomplete character is held back unless final."""
         window = self.token_ids[self._prefix_offset :]
         num_context = self._read_offset - self._prefix_offset
         text = text_delta(self.decode, window, num_context)
         if not final and (not text or text.endswith("\ufffd")):
-            return Chunk("", window[:num_context], num_context)
+            return ""
         self.text += text
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
-        return Chunk(text, window, num_context)
+        return text

@@ -43,7 +43,6 @@ class GenerationRequest:
     prompt: str | None  # text_input; None when the client sent input_ids
     prompt_ids: list[int]
     max_tokens: int
-    prompt_from_ids: bool = False  # input_ids sent (the ensemble's preprocessing)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -195,7 +194,6 @@ def parse_request(
     return GenerationRequest(
         prompt=prompt,
         prompt_ids=[int(t) for t in prompt_ids],
-        prompt_from_ids="input_ids" in inputs,
         max_tokens=max_tokens,
         temperature=temperature,
         top_k=top_k,

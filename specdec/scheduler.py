@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specdec.controller import AdaptiveController, Choice
-from specdec.detokenizer import Chunk, Decode, IncrementalDetokenizer
+from specdec.detokenizer import Decode, IncrementalDetokenizer
 from specdec.engine import EngineBatch, EngineResult
 from specdec.rejection import Verdict, rejection_sample, verify_greedy
 from specdec.request import GenerationRequest
@@ -90,7 +90,7 @@ class Update:
     """What one step did for one sequence: the glue turns it into a response."""
 
     sequence: Sequence
-    chunk: Chunk
+    text: str  # new text ("" when the step added none that is complete)
     finished: bool
 
 
@@ -349,9 +349,5 @@ class SpeculativeScheduler:
         finished = sequence.finish_reason is not None
         if finished:
             self._release(sequence)
-        chunk = (
-            sequence.detokenizer.take(final=finished)
-            if (request.stream or finished)
-            else Chunk("", [], 0)
-        )
-        return Update(sequence, chunk, finished)
+        text = sequence.detokenizer.take(final=finished) if (request.stream or finished) else ""
+        return Update(sequence, text, finished)

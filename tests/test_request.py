@@ -36,7 +36,7 @@ def test_defaults():
     request = parse(**GOOD)
     assert request.prompt_ids == tokenize("hello")
     assert request.greedy and request.num_draft_tokens is None and request.end_id == 2
-    assert not request.stream and not request.prompt_from_ids
+    assert not request.stream
 
 
 @pytest.mark.parametrize(
@@ -104,4 +104,3 @@ def test_input_ids_take_precedence_over_text():
     request = parse(**GOOD, input_ids=np.array([[5, 6, 7]], dtype=np.int32))
     assert request.prompt_ids == [5, 6, 7]
     assert request.prompt == "hello"
-    assert request.prompt_from_ids

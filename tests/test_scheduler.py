@@ -135,7 +135,7 @@ def test_queue_is_bounded():
 def test_streamed_chunks_join_to_the_final_text():
     scheduler, _ = make_scheduler(k=3)
     scheduler.submit(request([3, 1], 25, stream=True))
-    chunks = [u.chunk.text for u in run_all(scheduler)]
+    chunks = [u.text for u in run_all(scheduler)]
     assert "".join(chunks) == fake_decode(oracle_continuation([3, 1], 25))
 
 

@@ -172,16 +172,16 @@ class TritonPythonModel:
             self._send_error(client[1], message, code)
 
     def _respond(self, update: Update) -> None:
-        sequence, chunk = update.sequence, update.chunk
+        sequence = update.sequence
         request = sequence.request
-        if not update.finished and not chunk.text:
+        if not update.finished and not update.text:
             return  # nothing new to say this iteration
         prefix = ""
         if not request.stream and not request.exclude_input_in_output:
             prefix = request.prompt or ""
         # The ensemble's text too: a step after this one would be refused once the server
         # stops, and Triton 2.51's ensemble then never ends the stream (ensemble config).
-        text = prefix + chunk.text
+        text = prefix + update.text
         tensors = [_tensor("text_output", text.encode("utf-8"), np.object_)]
         if update.finished:
             tensors += self._final_tensors(sequence)
