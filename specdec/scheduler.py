@@ -184,7 +184,7 @@ class SpeculativeScheduler:
         """Fixed k where the request (or the server default) sets one; the controller's
         goodput choice for the others. Also says whether every row follows the choice."""
         default = self.config.default_draft_tokens
-        adaptive = []
+        adaptive, fixed_ks = [], []
         for sequence in batch:
             k = sequence.request.num_draft_tokens
             k = default if k is None else k
@@ -192,7 +192,7 @@ class SpeculativeScheduler:
                 adaptive.append(sequence)
             else:
                 sequence.num_draft_tokens = self._cap(sequence, k)
-        fixed_ks = [s.num_draft_tokens for s in batch if s not in adaptive]
+                fixed_ks.append(sequence.num_draft_tokens)
         choice = self.controller.choose(len(adaptive), fixed_ks)
         for sequence in adaptive:
             sequence.num_draft_tokens = self._cap(sequence, choice.k)
