@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import tritonclient.grpc as grpcclient
 
-from specdec.client import build_inputs
+from specdec.client import build_inputs, generate
 from specdec.client import scrape_metrics as scrape  # noqa: F401 - the tests' name for it
 
 
@@ -21,6 +22,23 @@ def start_victim(url: str, prompt: str, max_tokens: int = 1000, model="speculati
         enable_empty_final_response=True,
     )
     return client, chunks
+
+
+def start_bystander(url: str, prompt: str, max_tokens: int, model="speculative_decoding") -> Future:
+    """A greedy k = 2 request in the background, beside what a test does to the server;
+    the test checks its text stays exact."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(
+        generate,
+        prompt,
+        url=url,
+        model=model,
+        max_tokens=max_tokens,
+        num_draft_tokens=2,
+        exclude_input_in_output=True,
+    )
+    pool.shutdown(wait=False)  # the request runs on; the pool takes no more
+    return future
 
 
 def is_final(result, error) -> bool:

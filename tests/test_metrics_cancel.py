@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from conftest import hf_greedy_text
-from live import scrape, start_victim, wait_for
+from live import scrape, start_bystander, start_victim, wait_for
 from specdec.client import generate
 
 pytestmark = pytest.mark.server
@@ -80,16 +78,7 @@ def test_cancelled_stream_frees_its_slot_within_an_iteration(server):
 def test_cancellations_leave_other_requests_exact(server, hf_target):
     prompt = "The capital of France is"
     expected = hf_greedy_text(hf_target, prompt, 60)
-    pool = ThreadPoolExecutor(1)
-    bystander = pool.submit(
-        generate,
-        prompt,
-        url=server.url,
-        model="speculative_decoding",
-        max_tokens=60,
-        num_draft_tokens=2,
-        exclude_input_in_output=True,
-    )
+    bystander = start_bystander(server.url, prompt, 60)
     victims = [start_victim(server.url, f"Tell me story number {i}.") for i in range(4)]
     for client, chunks in victims:
         wait_for(lambda chunks=chunks: len(chunks) >= 2)
@@ -100,4 +89,3 @@ def test_cancellations_leave_other_requests_exact(server, hf_target):
         generate(prompt, url=server.url, max_tokens=60, exclude_input_in_output=True).text
         == expected
     )
-    pool.shutdown()

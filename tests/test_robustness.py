@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 from conftest import hf_greedy_text
-from live import is_final, scrape, start_victim, wait_for
+from live import is_final, scrape, start_bystander, start_victim, wait_for
 from specdec.client import generate
 from specdec.tokenizer import load_tokenizer
 
@@ -117,16 +116,7 @@ def test_every_bad_input_is_refused_by_name_and_the_batch_goes_on(
     server, hf_target, tokenizer, model
 ):
     expected = hf_greedy_text(hf_target, BYSTANDER, 96)
-    pool = ThreadPoolExecutor(1)
-    bystander = pool.submit(
-        generate,
-        BYSTANDER,
-        url=server.url,
-        model=model,
-        max_tokens=96,
-        num_draft_tokens=2,
-        exclude_input_in_output=True,
-    )
+    bystander = start_bystander(server.url, BYSTANDER, 96, model)
     wait_for(lambda: scrape(server.metrics_url)["specdec_running_batch_size"] >= 1)
     for field, tensors in bad_inputs(tokenizer):
         message, _ = send(server.url, model, tensors)
@@ -134,7 +124,6 @@ def test_every_bad_input_is_refused_by_name_and_the_batch_goes_on(
         assert field in message, f"{field}: {message}"
     assert bystander.result().error is None
     assert bystander.result().text == expected
-    pool.shutdown()
 
 
 @pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
