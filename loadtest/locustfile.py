@@ -19,13 +19,16 @@ Note on tokens/s as an entry: Locust only aggregates times, so the `tokens_per_s
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import random
 import sys
 import time
 from pathlib import Path
 
 import grpc.experimental.gevent as grpc_gevent
+from gevent import monkey
 from locust import LoadTestShape, User, between, events, task
 
 grpc_gevent.init_gevent()  # before tritonclient creates any channel
@@ -61,6 +64,36 @@ def add_arguments(parser) -> None:
         default="",
         help="append one JSON line per request here (run_loadtest.py reads it)",
     )
+
+
+EXIT_GRACE_SECONDS = 20.0
+
+
+@events.quit.add_listener
+def bound_the_exit(exit_code: int, **_kwargs) -> None:
+    """Locust has written its stats; make sure the process then ends within a grace period.
+
+    In CI, one headless run printed its summary and then never exited: interpreter shutdown
+    blocked (gRPC's gevent mode is the likely party; every stream had been closed in
+    on_stop). A real OS thread, which gevent's monkey patching does not turn into a
+    greenlet, waits out the grace period, dumps every thread's stack to stderr for the
+    record, and ends the process with Locust's exit code. A normal exit never meets it."""
+    start_real_thread = monkey.get_original("_thread", "start_new_thread")
+    real_sleep = monkey.get_original("time", "sleep")
+
+    def force_exit() -> None:
+        real_sleep(EXIT_GRACE_SECONDS)
+        print(
+            f"locustfile: still exiting {EXIT_GRACE_SECONDS:.0f} s after Locust quit; "
+            f"forcing exit code {exit_code}. Stacks:",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stdout.flush()
+        os._exit(exit_code)
+
+    start_real_thread(force_exit, ())
 
 
 def load_prompts() -> list[str]:
