@@ -16,6 +16,7 @@ k = 0 skips the draft call, so it costs what plain decoding costs.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 
@@ -123,6 +124,11 @@ SPECULATION_MARGIN = 1.10
 EXPLORE_MARGIN = 1.25
 LONGER_K_MARGIN = 1.03
 EARLY_SAMPLES = 8  # first-position verdicts before probes space out
+# Probes may cost at most this share of plain decoding's time. A probe is dear where the
+# draft has fallen behind (it catches up on every token since its last call) and where
+# verifying 2 tokens costs far more than 1 (on 2 CPU cores 1.7x): at one stream, probing
+# every 64 iterations cost adaptive 3-4% against k = 0 (make bench, 2026-11-30).
+PROBE_BUDGET = 0.01
 STALE_AFTER = 256  # iterations after which a measured iteration cost is guessed again
 
 
@@ -148,6 +154,8 @@ class AdaptiveController:
         # Whole iterations as they really cost, by (batch-size bucket, k): catch-up draft
         # calls, transfers and bookkeeping that the per-call curves do not see.
         self.iteration_cost: dict[tuple[int, int], tuple[float, int]] = {}
+        # Probe iterations as they really cost, by batch-size bucket: what spaces probes out.
+        self.probe_cost: dict[int, float] = {}
         self.iteration = 0
         self.iterations_without_draft = 0
 
@@ -168,6 +176,14 @@ class AdaptiveController:
         if previous is not None:
             seconds = previous[0] + ITERATION_EMA * (seconds - previous[0])
         self.iteration_cost[key] = (seconds, self.iteration)
+
+    def observe_probe(self, batch_size: int, seconds: float) -> None:
+        """A whole iteration in which one adaptive row probed and the others used k = 0."""
+        key = batch_bucket(batch_size)
+        previous = self.probe_cost.get(key)
+        self.probe_cost[key] = (
+            seconds if previous is None else previous + ITERATION_EMA * (seconds - previous)
+        )
 
     def end_iteration(self, drafted: bool) -> None:
         self.iteration += 1
@@ -199,10 +215,21 @@ class AdaptiveController:
                 best = Choice(k, False, goodput)
         # Probe while there is no drafting: often while alpha rests on a few samples (one
         # unlucky rejection must not shut speculation off for long), rarely after that.
-        interval = self.probe_every if self.acceptance.tried[0] >= EARLY_SAMPLES else 4
-        if best.k == 0 and self.iterations_without_draft >= interval:
+        if best.k == 0 and self.iterations_without_draft >= self._probe_interval(batch_size):
             best.probe = True
         return best
+
+    def _probe_interval(self, batch_size: int) -> int:
+        """Iterations without drafting between probes: every `probe_every`, or as rarely as
+        keeps the probes' extra cost within PROBE_BUDGET of plain decoding's time."""
+        if self.acceptance.tried[0] < EARLY_SAMPLES:
+            return 4
+        probe = self.probe_cost.get(batch_bucket(batch_size))
+        plain = self._measured(0, batch_size)
+        if probe is None or plain is None:
+            return self.probe_every
+        extra = max(0.0, probe - plain)
+        return max(self.probe_every, math.ceil(extra / (PROBE_BUDGET * plain)))
 
     def _measured(self, k: int, batch_size: int) -> float | None:
         """Seconds of a whole iteration at this batch size and k, if measured lately."""

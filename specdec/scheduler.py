@@ -111,9 +111,10 @@ class SpeculativeScheduler:
         self._ids = itertools.count()
         self.controller = AdaptiveController(config.max_draft_tokens)
         self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
-        # (start time, batch size, k) of the last steady step: its cost is measured from its
-        # start to the next step's start, so the glue's work between steps counts too.
-        self._timed_step: tuple[float, float, int, int] | None = None
+        # (start, busy seconds, batch size, k, probe) of the last steady step: its cost is
+        # measured from its start to the next step's start, so the glue's work between steps
+        # counts too.
+        self._timed_step: tuple[float, float, int, int, bool] | None = None
 
     # -- joining and leaving ---------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -242,10 +243,11 @@ class SpeculativeScheduler:
             stats.num_accepted_draft_tokens += verdict.num_accepted
             stats.emitted_per_row.append(sequence.num_output_tokens - before)
         # Only an iteration that ran the choice for every row measures what the choice costs:
-        # no prefill, no probe, no rows with a k of their own (a batch of fixed k = 4 rows
-        # would otherwise be booked as the cost of k = 0).
-        if all_adaptive and not choice.probe and not admitted:
-            self._timed_step = (step_start, time.perf_counter() - step_start, len(batch), choice.k)
+        # no prefill, no rows with a k of their own (a batch of fixed k = 4 rows would
+        # otherwise be booked as the cost of k = 0). A probe is booked as a probe.
+        if all_adaptive and not admitted:
+            busy = time.perf_counter() - step_start
+            self._timed_step = (step_start, busy, len(batch), choice.k, choice.probe)
         self.controller.end_iteration(drafted=bool(drafting))
         self.running = [s for s in self.running if s.finish_reason is None]
         self.last_iteration = stats
@@ -254,9 +256,12 @@ class SpeculativeScheduler:
     def _close_timed_step(self, now: float) -> None:
         """Records the last steady step's whole cost, unless the loop idled after it."""
         if self._timed_step is not None:
-            start, busy, batch_size, k = self._timed_step
+            start, busy, batch_size, k, probe = self._timed_step
             if now - start < 3 * busy:  # longer: the loop waited for work
-                self.controller.observe_iteration(batch_size, k, now - start)
+                if probe:
+                    self.controller.observe_probe(batch_size, now - start)
+                else:
+                    self.controller.observe_iteration(batch_size, k, now - start)
         self._timed_step = None
 
     def _propose(self, drafting: list[Sequence]) -> dict[int, tuple[list[int], torch.Tensor]]:

@@ -29,14 +29,15 @@ def cpu_like_target(num_tokens: int) -> float:
     return 0.040 + 0.002 * num_tokens
 
 
-def simulate(controller, batch_size, alpha, draft_step, iterations=300, hidden=0.0):
+def simulate(controller, batch_size, alpha, draft_step, iterations=300, hidden=0.0, probes=None):
     """Runs the controller against a synthetic engine; returns the ks it chose. `hidden`:
-    seconds every drafting iteration costs beyond the draft and target calls."""
+    seconds every drafting iteration costs beyond the draft and target calls. `probes`, a
+    list, collects the iterations that probed."""
     import random
 
     rng = random.Random(0)
     ks = []
-    for _ in range(iterations):
+    for iteration in range(iterations):
         choice = controller.choose(batch_size, [])
         ks.append(choice.k)
         row_ks = [choice.k] * batch_size
@@ -49,9 +50,13 @@ def simulate(controller, batch_size, alpha, draft_step, iterations=300, hidden=0
             )
         target = cpu_like_target(sum(k + 1 for k in row_ks))
         controller.observe_target(sum(k + 1 for k in row_ks), target)
-        if not choice.probe:
-            draft = draft_step(len(drafting)) * max(drafting) if drafting else 0.0
-            extra = hidden if drafting else 0.0
+        draft = draft_step(len(drafting)) * max(drafting) if drafting else 0.0
+        extra = hidden if drafting else 0.0
+        if choice.probe:
+            controller.observe_probe(batch_size, target + draft + extra)
+            if probes is not None:
+                probes.append(iteration)
+        else:
             controller.observe_iteration(batch_size, choice.k, target + draft + extra)
         for k in row_ks:
             accepted = 0
@@ -71,6 +76,26 @@ def test_useless_draft_stays_at_zero_with_rare_probes():
     controller = AdaptiveController(8, probe_every=64)
     ks = simulate(controller, 1, alpha=0.02, draft_step=lambda rows: 0.003)
     assert set(ks) == {0}
+
+
+def test_dear_probes_space_out_to_their_budget():
+    # A probe that costs an iteration and a half more than plain decoding (a draft catching
+    # up on every token since its last call, a 2-token verify) is spaced out so that probes
+    # take about 1% of the time, but it still happens.
+    probes = []
+    simulate(
+        AdaptiveController(8, probe_every=64),
+        1,
+        alpha=0.2,
+        draft_step=lambda rows: 0.003,
+        iterations=3000,
+        hidden=0.060,
+        probes=probes,
+    )
+    steady = [i for i in probes if i >= 500]
+    gaps = [b - a for a, b in zip(steady, steady[1:], strict=False)]
+    assert len(steady) >= 3
+    assert min(gaps) >= 150  # 64 would spend 2.5% of the time on probes
 
 
 def test_load_turns_speculation_off():
