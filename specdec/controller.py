@@ -116,8 +116,8 @@ def expected_tokens(rates: list[float], k: int) -> float:
 
 
 ITERATION_EMA = 0.2
-# k > 0 must promise 10% more goodput than k = 0 (25% where only the per-call model prices
-# it), and 3% more than a smaller k > 0. Near break-even the estimate of alpha is noisy, and
+# k > 0 must promise 10% more goodput than k = 0 (25% where the per-call models price the
+# two), and 3% more than a smaller k > 0. Near break-even the estimate of alpha is noisy, and
 # every switch to drafting pays a catch-up: a 3% margin lost 3-5% to plain decoding at 4-64
 # streams with a draft accepted 30% of the time (make bench).
 SPECULATION_MARGIN = 1.10
@@ -125,9 +125,9 @@ EXPLORE_MARGIN = 1.25
 LONGER_K_MARGIN = 1.03
 EARLY_SAMPLES = 8  # first-position verdicts before probes space out
 # Probes may cost at most this share of plain decoding's time. A probe is dear where the
-# draft has fallen behind (it catches up on every token since its last call) and where
-# verifying 2 tokens costs far more than 1 (on 2 CPU cores 1.7x): at one stream, probing
-# every 64 iterations cost adaptive 3-4% against k = 0 (make bench, 2026-11-30).
+# draft has fallen behind (it catches up on every token since its last call) and the
+# verify grows: at one stream on 2 CPU cores a probe iteration took 52-57 ms against 31-33
+# ms for plain decoding (traced), so every 64 iterations would be 1.1%.
 PROBE_BUDGET = 0.01
 STALE_AFTER = 256  # iterations after which a measured iteration cost is guessed again
 
@@ -173,7 +173,7 @@ class AdaptiveController:
         """A whole iteration in which every adaptive row used k."""
         key = (batch_bucket(batch_size), k)
         previous = self.iteration_cost.get(key)
-        if previous is not None:
+        if previous is not None and self.iteration - previous[1] < STALE_AFTER:
             seconds = previous[0] + ITERATION_EMA * (seconds - previous[0])
         self.iteration_cost[key] = (seconds, self.iteration)
 
@@ -197,22 +197,34 @@ class AdaptiveController:
         if not self.acceptance.seen(0):
             return Choice(0, True, 0.0)  # nothing known yet: probe before speculating
         rates = self.acceptance.rates()
-        plain = self._goodput(0, num_adaptive, fixed_ks, rates)
-        if plain is None:  # the target's cost is not known yet
-            return Choice(0, False, 0.0)
-        best = Choice(0, False, plain)
         batch_size = num_adaptive + len(fixed_ks)
+        plain_tokens = self._tokens(0, num_adaptive, fixed_ks, rates)
+        plain_modelled = self._modelled_cost(0, num_adaptive, fixed_ks)
+        if plain_modelled is None:  # the target's cost is not known yet
+            return Choice(0, False, 0.0)
+        plain_measured = self._measured(0, batch_size)
+        best = Choice(0, False, plain_tokens / (plain_measured or plain_modelled))
+        best_gain = 1.0
         for k in range(1, self.max_k + 1):
-            goodput = self._goodput(k, num_adaptive, fixed_ks, rates)
-            if goodput is None:  # a cost never measured: try it once if it may pay
-                return Choice(k, False, 0.0)
+            # Like against like: two whole iterations as measured (they include the glue's
+            # work between steps), or else two per-call models (which do not). A model
+            # against a measurement favoured whichever k had not been measured: at one
+            # stream it priced k = 1 at 40 ms against k = 0's measured 44 ms, and drafted.
+            measured = self._measured(k, batch_size)
+            if measured is not None and plain_measured is not None:
+                cost, plain_cost, margin = measured, plain_measured, SPECULATION_MARGIN
+            else:
+                cost = self._modelled_cost(k, num_adaptive, fixed_ks)
+                if cost is None:  # the draft's cost never measured: try it once
+                    return Choice(k, False, 0.0)
+                plain_cost, margin = plain_modelled, EXPLORE_MARGIN
             # Speculating must beat plain decoding by a margin, so that noise alone never tips
-            # it, and a guess (an iteration cost not measured yet) must promise more. Among
-            # the k that clear it, a larger k must beat a smaller one by a little.
-            measured = self._measured(k, batch_size) is not None
-            margin = SPECULATION_MARGIN if measured else EXPLORE_MARGIN
-            if goodput > plain * margin and goodput > best.goodput * LONGER_K_MARGIN:
-                best = Choice(k, False, goodput)
+            # it, and a guess must promise more. Among the k that clear it, a larger k must
+            # beat a smaller one by a little.
+            goodput = self._tokens(k, num_adaptive, fixed_ks, rates) / cost
+            gain = goodput / (plain_tokens / plain_cost)
+            if gain > margin and gain > best_gain * LONGER_K_MARGIN:
+                best, best_gain = Choice(k, False, goodput), gain
         # Probe while there is no drafting: often while alpha rests on a few samples (one
         # unlucky rejection must not shut speculation off for long), rarely after that.
         if best.k == 0 and self.iterations_without_draft >= self._probe_interval(batch_size):
@@ -238,22 +250,22 @@ class AdaptiveController:
             return None
         return cell[0]
 
-    def _goodput(self, k: int, num_adaptive: int, fixed_ks: list[int], rates) -> float | None:
+    @staticmethod
+    def _tokens(k: int, num_adaptive: int, fixed_ks: list[int], rates) -> float:
+        """Expected tokens the batch emits in one pass with the adaptive rows at k."""
         tokens = num_adaptive * expected_tokens(rates, k)
-        tokens += sum(expected_tokens(rates, f) for f in fixed_ks)
-        measured = self._measured(k, num_adaptive + len(fixed_ks))
-        if measured is not None:
-            return tokens / measured
+        return tokens + sum(expected_tokens(rates, f) for f in fixed_ks)
+
+    def _modelled_cost(self, k: int, num_adaptive: int, fixed_ks: list[int]) -> float | None:
+        """Seconds of the draft and target calls of one pass, from the per-call curves."""
         verified = num_adaptive * (k + 1) + sum(f + 1 for f in fixed_ks)
         target = self.target_cost.estimate(verified)
-        draft_rows = (num_adaptive if k else 0) + sum(1 for f in fixed_ks if f)
-        draft_steps = max([k] + fixed_ks)
-        draft = 0.0
-        if draft_rows:
-            step = self.draft_step_cost.estimate(draft_rows)
-            if step is None:
-                return None
-            draft = step * draft_steps
         if target is None:
             return None
-        return tokens / (target + draft)
+        draft_rows = (num_adaptive if k else 0) + sum(1 for f in fixed_ks if f)
+        if not draft_rows:
+            return target
+        step = self.draft_step_cost.estimate(draft_rows)
+        if step is None:
+            return None
+        return target + step * max([k] + fixed_ks)

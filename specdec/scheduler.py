@@ -250,6 +250,8 @@ class SpeculativeScheduler:
             self._timed_step = (step_start, busy, len(batch), choice.k, choice.probe)
         self.controller.end_iteration(drafted=bool(drafting))
         self.running = [s for s in self.running if s.finish_reason is None]
+        if not self.running:  # the loop now waits for a request: that wait is no step's cost
+            self._timed_step = None
         self.last_iteration = stats
         return updates
 

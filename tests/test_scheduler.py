@@ -150,3 +150,29 @@ def test_rows_with_their_own_k_are_not_booked_as_the_adaptive_cost():
     scheduler.submit(request([9], 30))  # adaptive: its iterations are measured
     run_all(scheduler)
     assert scheduler.controller.iteration_cost
+
+
+def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
+    # At one stream the loop idles between a request's end and the client's next one. Booked
+    # as the last iteration's cost, that wait made k = 0 look dearer than it was.
+    clock = [0.0]
+
+    class TimedEngines(FakeEngines):
+        def target(self, batch):
+            clock[0] += 0.010
+            return super().target(batch)
+
+    monkeypatch.setattr("specdec.scheduler.time.perf_counter", lambda: clock[0])
+    engines = TimedEngines(4)
+    config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
+    scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    scheduler.submit(request([1], 30))
+    run_all(scheduler)
+    clock[0] += 0.015  # the client's round trip: shorter than three steps
+    scheduler.submit(request([2], 30))
+    scheduler.step()
+    controller = scheduler.controller
+    booked = [s for s, _ in controller.iteration_cost.values()] + list(
+        controller.probe_cost.values()
+    )
+    assert booked and all(s == pytest.approx(0.010) for s in booked)
