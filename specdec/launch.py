@@ -15,6 +15,7 @@ is rendered into RUN_DIR with these values, so the committed configs stay usable
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -173,9 +174,24 @@ def server_command(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
     return command, server_env()
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def end_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM when the process that
+    started it dies, so a benchmark or test killed outright leaves no server behind to slow
+    the next measurement down. Linux; elsewhere nothing happens."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def start(config: ServerConfig, log_file=None) -> subprocess.Popen:
     command, env = server_command(config)
-    return subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        command, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=end_with_parent
+    )
 
 
 def free_port() -> int:
@@ -252,7 +268,11 @@ class ManagedServer:
         if supervised:
             command = [sys.executable, "-m", "specdec.launch", "--exit-when-unready"]
             self.process = subprocess.Popen(
-                command, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT
+                command,
+                env={**os.environ, **env},
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=end_with_parent,
             )
         else:
             self.process = start(self.config, self.log)
@@ -332,7 +352,7 @@ def supervise(
     stop it and return 1. Triton 2.51 neither restarts a dead Python stub nor stops reporting
     ready (its requests fail), so this process exits and a container restart policy
     (compose `restart: on-failure`) brings up a fresh server."""
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(command, env=env, preexec_fn=end_with_parent)
     stopping = []
 
     def forward(signum, _frame) -> None:

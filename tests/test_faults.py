@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from live import is_final, start_victim, wait_for
 from specdec.client import generate
-from specdec.launch import ManagedServer
+from specdec.launch import PROJECT_ROOT, ManagedServer, descendant_pids, process_alive
 
 pytestmark = pytest.mark.server
 
@@ -85,3 +87,29 @@ def test_sigterm_under_load_ends_every_stream_within_the_exit_timeout(target_dir
         server.process.wait(timeout=server.config.exit_timeout_s + 30)
     finally:
         server.stop()
+
+
+def test_a_server_ends_when_the_process_that_started_it_is_killed(target_dir):
+    # A benchmark killed outright (SIGKILL, an OOM kill) must not leave its server running:
+    # a stray server takes the CPU from the next measurement.
+    script = (
+        "from specdec.launch import ManagedServer\n"
+        "import time\n"
+        f"server = ManagedServer('orphan-check', {SMALL!r})\n"
+        "print(server.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT
+    )
+    server_pid = int(owner.stdout.readline())
+    stubs = descendant_pids(server_pid)
+    assert process_alive(server_pid) and stubs
+    owner.kill()
+    owner.wait()
+    try:
+        wait_for(lambda: not any(process_alive(p) for p in [server_pid, *stubs]), timeout=90)
+    finally:  # a failure must not leave the server running for the tests after it
+        for pid in [server_pid, *stubs]:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
