@@ -227,17 +227,19 @@ class AdaptiveController:
                 best, best_gain = Choice(k, False, goodput), gain
         # Probe while there is no drafting: often while alpha rests on a few samples (one
         # unlucky rejection must not shut speculation off for long), rarely after that.
-        if best.k == 0 and self.iterations_without_draft >= self._probe_interval(batch_size):
+        if best.k == 0 and self.iterations_without_draft >= self._probe_interval(
+            batch_size, plain_measured
+        ):
             best.probe = True
         return best
 
-    def _probe_interval(self, batch_size: int) -> int:
+    def _probe_interval(self, batch_size: int, plain: float | None) -> int:
         """Iterations without drafting between probes: every `probe_every`, or as rarely as
-        keeps the probes' extra cost within PROBE_BUDGET of plain decoding's time."""
+        keeps the probes' extra cost within PROBE_BUDGET of plain decoding's time (`plain`:
+        a whole k = 0 iteration as measured lately)."""
         if self.acceptance.tried[0] < EARLY_SAMPLES:
             return 4
         probe = self.probe_cost.get(batch_bucket(batch_size))
-        plain = self._measured(0, batch_size)
         if probe is None or plain is None:
             return self.probe_every
         extra = max(0.0, probe - plain)
