@@ -93,6 +93,16 @@ class AcceptanceWindow:
             self.tried[i] = self.tried[i] * self.decay + 1
             self.accepted[i] = self.accepted[i] * self.decay + (i < num_accepted)
 
+    def observe_first(self, hits: int, total: int) -> None:
+        """`total` samples of position 1 at once (a draft's hindsight guesses), `hits` right;
+        weighted as if they had come one by one in an even mix."""
+        if total <= 0:
+            return
+        kept = self.decay**total
+        weight = (1 - kept) / (1 - self.decay)  # sum of decay**i, i < total
+        self.tried[0] = self.tried[0] * kept + weight
+        self.accepted[0] = self.accepted[0] * kept + weight * hits / total
+
     def rates(self) -> list[float]:
         """Per position; an unseen position borrows the rate of the last seen one."""
         rates, last = [], self.prior
@@ -124,11 +134,13 @@ SPECULATION_MARGIN = 1.10
 EXPLORE_MARGIN = 1.25
 LONGER_K_MARGIN = 1.03
 EARLY_SAMPLES = 8  # first-position verdicts before probes space out
-# Probes may cost at most this share of plain decoding's time. A probe is dear where the
-# draft has fallen behind (it catches up on every token since its last call) and the
-# verify grows: at one stream on 2 CPU cores a probe iteration took 52-57 ms against 31-33
-# ms for plain decoding (traced), so every 64 iterations would be 1.1%.
-PROBE_BUDGET = 0.01
+# Probes may cost at most this share of plain decoding's time. A probe costs the draft
+# catching up on every token since its last call: at one stream on 2 CPU cores a probe
+# iteration took 56 ms against 37 ms for plain decoding (in-process), so one every 64
+# iterations would spend 0.8%. A probe brings up to LOOKBACK_TOKENS first-position verdicts
+# (the draft's guesses of the tokens it missed), so rare probes still see plenty: at this
+# budget one in about 200 iterations at one stream.
+PROBE_BUDGET = 0.0025
 STALE_AFTER = 256  # iterations after which a measured iteration cost is guessed again
 
 
@@ -140,7 +152,10 @@ def batch_bucket(batch_size: int) -> int:
 @dataclass
 class Choice:
     k: int  # for every adaptive row
-    probe: bool  # give one adaptive row k = 1 this iteration to refresh alpha_1
+    # Refresh alpha_1 this iteration while the rows decode plainly: one greedy adaptive row's
+    # draft catches up and guesses the tokens it missed (or, with no greedy row, one row
+    # proposes a token).
+    probe: bool
     goodput: float  # expected tokens per second of the chosen plan (0 if costs unknown)
 
 
@@ -168,6 +183,11 @@ class AdaptiveController:
 
     def observe_verdict(self, k: int, num_accepted: int) -> None:
         self.acceptance.observe(k, num_accepted)
+
+    def observe_lookback(self, hits: int, total: int) -> None:
+        """The draft's hindsight guesses of `total` tokens greedy plain decoding produced,
+        `hits` of them right: each is a first-position verdict that needed no verify."""
+        self.acceptance.observe_first(hits, total)
 
     def observe_iteration(self, batch_size: int, k: int, seconds: float) -> None:
         """A whole iteration in which every adaptive row used k."""

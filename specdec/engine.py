@@ -3,6 +3,9 @@
 Both engine models take the same tensors and return the same tensors; only the work differs.
 - draft:  append each row's new tokens to its slot, then propose `num_steps` tokens one at a
           time (all k steps inside one call: one Triton call per draft step would eat the gain).
+          It also returns, for up to LOOKBACK_TOKENS of the tokens it was fed, its own greedy
+          guess of each from the tokens before it: a draft that catches up on tokens plain
+          decoding produced says how often it would have agreed, without a verify.
 - target: append each row's new tokens (pending tokens + the draft's proposals) and return,
           for the row's last `num_steps` positions, the target argmax (greedy rows) or the
           target distribution (sampled rows).
@@ -11,7 +14,7 @@ Probabilities cross the model boundary only for sampled rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -55,24 +58,41 @@ class EngineBatch:
         )
 
 
+# The most fed tokens per row the draft guesses in hindsight: enough samples for the
+# acceptance estimate from one catch-up, while the reduced head over them stays cheap.
+LOOKBACK_TOKENS = 32
+
+
 @dataclass
 class EngineResult:
     token_ids: np.ndarray  # (B, max num_steps) int64, -1 where a row has no token
     probs: np.ndarray  # (P, V) float32, sampled rows' distributions, rows in order
+    # (B, L) int64, draft only: row r's first n entries (n: those >= 0) are its argmax
+    # guesses of its last n fed tokens, in order, each from the tokens before it.
+    lookback_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {"token_ids": self.token_ids, "probs": self.probs}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineResult:
-        return cls(token_ids=arrays["token_ids"], probs=arrays["probs"])
+        return cls(**{f.name: arrays[f.name] for f in fields(cls)})
+
+    def lookback(self, row: int) -> list[int]:
+        """Row's guesses of its last fed tokens (see lookback_ids)."""
+        if row >= self.lookback_ids.shape[0]:
+            return []
+        guesses = self.lookback_ids[row]
+        return guesses[guesses >= 0].tolist()
 
 
 def _empty_result(batch: EngineBatch, vocab_size: int) -> EngineResult:
     width = int(batch.num_steps.max()) if batch.num_steps.size else 0
+    num_rows = len(batch.slot_ids)
     return EngineResult(
-        token_ids=np.full((len(batch.slot_ids), width), -1, dtype=np.int64),
+        token_ids=np.full((num_rows, width), -1, dtype=np.int64),
         probs=np.zeros((0, vocab_size), dtype=np.float32),
+        lookback_ids=np.zeros((num_rows, 0), dtype=np.int64),
     )
 
 
@@ -102,21 +122,30 @@ def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
 
 
 def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
-    """Appends the rows' tokens, then proposes num_steps tokens per row, one step at a time."""
+    """Appends the rows' tokens, guesses the last fed ones in hindsight, then proposes
+    num_steps tokens per row (0: none), one step at a time."""
     result = _empty_result(batch, engine.config.vocab_size)
     num_rows = len(batch.slot_ids)
     generators = [torch.Generator().manual_seed(int(s)) for s in batch.seeds]
     sampled_probs: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
     cache_lengths = (batch.cache_lengths + batch.input_lengths).astype(np.int64)
-    rows = np.arange(num_rows)
+    lookback = np.minimum(batch.input_lengths.astype(np.int64) - 1, LOOKBACK_TOKENS)
     logits = engine.forward(
         torch.from_numpy(batch.input_ids.astype(np.int64)),
         batch.input_lengths.tolist(),
         batch.slot_ids.tolist(),
         batch.cache_lengths.tolist(),
-        [1] * num_rows,
-    )  # (B, V)
-    for step in range(int(batch.num_steps.max())):
+        (lookback + 1).tolist(),
+    )  # (sum(lookback + 1), V): the lookback positions, then each row's last position
+    ends = np.cumsum(lookback + 1)
+    if lookback.max(initial=0) > 0:
+        guesses = logits.argmax(dim=-1).numpy()
+        result.lookback_ids = np.full((num_rows, int(lookback.max())), -1, dtype=np.int64)
+        for r in np.nonzero(lookback)[0]:
+            result.lookback_ids[r, : lookback[r]] = guesses[ends[r] - 1 - lookback[r] : ends[r] - 1]
+    rows = np.nonzero(batch.num_steps > 0)[0]
+    logits = logits[torch.from_numpy(ends[rows] - 1)]  # (rows, V)
+    for step in range(int(batch.num_steps.max(initial=0))):
         sampling = batch.rows_sampling(rows, np.full(len(rows), step))
         tokens = greedy_tokens(logits, sampling).numpy()
         for i in np.nonzero(batch.temperature[rows] > 0)[0]:

@@ -21,7 +21,7 @@ import torch
 
 from specdec.controller import AdaptiveController, Choice
 from specdec.detokenizer import Decode, IncrementalDetokenizer
-from specdec.engine import EngineBatch, EngineResult
+from specdec.engine import LOOKBACK_TOKENS, EngineBatch, EngineResult
 from specdec.rejection import Verdict, rejection_sample, verify_greedy
 from specdec.request import GenerationRequest
 
@@ -181,9 +181,12 @@ class SpeculativeScheduler:
         room = self.config.max_context - len(sequence.token_ids)
         return max(0, min(k, self.config.max_draft_tokens, remaining, room))
 
-    def _choose_num_draft_tokens(self, batch: list[Sequence]) -> tuple[Choice, bool]:
+    def _choose_num_draft_tokens(
+        self, batch: list[Sequence]
+    ) -> tuple[Choice, bool, Sequence | None]:
         """Fixed k where the request (or the server default) sets one; the controller's
-        goodput choice for the others. Also says whether every row follows the choice."""
+        goodput choice for the others. Also says whether every row follows the choice, and
+        which row's draft catches up to probe (see _lookback_probe)."""
         default = self.config.default_draft_tokens
         adaptive, fixed_ks = [], []
         for sequence in batch:
@@ -197,9 +200,30 @@ class SpeculativeScheduler:
         choice = self.controller.choose(len(adaptive), fixed_ks)
         for sequence in adaptive:
             sequence.num_draft_tokens = self._cap(sequence, choice.k)
+        lookback_row = None
         if choice.probe and adaptive:
-            adaptive[0].num_draft_tokens = self._cap(adaptive[0], 1)
-        return choice, len(adaptive) == len(batch)
+            lookback_row = self._lookback_probe(adaptive)
+            if lookback_row is None:
+                adaptive[0].num_draft_tokens = self._cap(adaptive[0], 1)
+        return choice, len(adaptive) == len(batch), lookback_row
+
+    def _lookback_probe(self, adaptive: list[Sequence]) -> Sequence | None:
+        """A probe that costs no verify: a greedy row's draft catches up on the output tokens
+        plain decoding produced since its last call (proposing none), and its hindsight
+        guesses of them are first-position verdicts; the target call stays plain decoding's.
+        The row with the most such tokens (up to the lookback) and the least catch-up.
+        None if no greedy row has any: a sampled row's tokens are draws, not the argmax."""
+        best, best_key = None, None
+        for sequence in adaptive:
+            samples = len(sequence.token_ids) - max(
+                sequence.draft_cache_length + 1, len(sequence.request.prompt_ids)
+            )
+            if not sequence.request.greedy or samples <= 0:
+                continue
+            key = (min(samples, LOOKBACK_TOKENS), -samples)
+            if best_key is None or key > best_key:
+                best, best_key = sequence, key
+        return best
 
     def step(self) -> list[Update]:
         """Runs one draft call and one target call over the running batch."""
@@ -212,8 +236,8 @@ class SpeculativeScheduler:
             return []
         step_start = time.perf_counter()
         self._close_timed_step(step_start)
-        choice, all_adaptive = self._choose_num_draft_tokens(batch)
-        drafting = [s for s in batch if s.num_draft_tokens > 0]
+        choice, all_adaptive, lookback_row = self._choose_num_draft_tokens(batch)
+        drafting = [s for s in batch if s.num_draft_tokens > 0 or s is lookback_row]
         proposals = self._propose(drafting) if drafting else {}
         target_batch = self._target_batch(batch, proposals)
         start = time.perf_counter()
@@ -275,22 +299,37 @@ class SpeculativeScheduler:
         )
         start = time.perf_counter()
         result = self.engines.draft(batch)
-        if int(batch.input_lengths.max()) <= 2:  # a catch-up or prefill would blur the cost
-            self.controller.observe_draft(
-                len(drafting), int(batch.num_steps.max()), time.perf_counter() - start
-            )
+        num_steps = int(batch.num_steps.max())
+        # A catch-up or prefill would blur the cost of a step.
+        if int(batch.input_lengths.max()) <= 2 and num_steps > 0:
+            self.controller.observe_draft(len(drafting), num_steps, time.perf_counter() - start)
         proposals = {}
         probs_row = 0
         for row, sequence in enumerate(drafting):
             k = sequence.num_draft_tokens
+            self._observe_lookback(sequence, result.lookback(row))
             draft_probs = None
             if not sequence.request.greedy:
                 draft_probs = torch.from_numpy(result.probs[probs_row : probs_row + k])
                 probs_row += k
             proposals[sequence.id] = (result.token_ids[row, :k].tolist(), draft_probs)
             # The draft cached everything it was fed: the pending tokens and k - 1 proposals.
-            sequence.draft_cache_length = len(sequence.token_ids) + k - 1
+            sequence.draft_cache_length = len(sequence.token_ids) + max(k - 1, 0)
         return proposals
+
+    def _observe_lookback(self, sequence: Sequence, guesses: list[int]) -> None:
+        """Scores the draft's hindsight guesses of the tokens it was just fed (the last
+        len(guesses) of the sequence) against what greedy decoding produced there. Only a
+        catch-up counts: with two tokens fed, the draft is on a run its proposals all won,
+        and the one guess (of the bonus token) would favour easy text."""
+        pending = len(sequence.token_ids) - sequence.draft_cache_length
+        if not sequence.request.greedy or pending <= 2 or not guesses:
+            return
+        first = len(sequence.token_ids) - len(guesses)  # the index of the first guessed token
+        skip = max(0, len(sequence.request.prompt_ids) - first)  # prompt tokens are not output
+        actual = sequence.token_ids[first + skip :]
+        hits = sum(g == t for g, t in zip(guesses[skip:], actual, strict=True))
+        self.controller.observe_lookback(hits, len(actual))
 
     def _target_batch(self, batch: list[Sequence], proposals: dict) -> EngineBatch:
         return self._engine_batch(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.engine import EngineBatch, EngineResult
+from specdec.engine import LOOKBACK_TOKENS, EngineBatch, EngineResult
 
 VOCAB = 50
 
@@ -58,13 +58,17 @@ class FakeEngines:
         rows = self._append(self.draft_cache, batch)
         self.calls.append(("draft", len(rows)))
         out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
+        guessed = [min(int(n) - 1, LOOKBACK_TOKENS) for n in batch.input_lengths]
+        lookback = np.full((len(rows), max(guessed)), -1, dtype=np.int64)
         for r, held in enumerate(rows):
+            for j in range(guessed[r]):  # each of the last fed tokens, from those before it
+                lookback[r, j] = draft_guess(held[: len(held) - guessed[r] + j])
             for step in range(int(batch.num_steps[r])):
                 token = draft_guess(held)
                 out[r, step] = token
                 if step + 1 < batch.num_steps[r]:
                     held.append(token)  # fed, as the real draft does
-        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32))
+        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32), lookback)
 
     def target(self, batch: EngineBatch) -> EngineResult:
         rows = self._append(self.target_cache, batch)

@@ -132,3 +132,31 @@ def test_unwritten_cache_memory_never_reaches_the_logits(target_dir, monkeypatch
     engine.forward(torch.arange(10, 22), [9, 3], [0, 3], [0, 0], [1, 1])
     logits = engine.forward(torch.tensor([5, 6]), [1, 1], [0, 3], [9, 3], [1, 1])
     assert torch.isfinite(logits).all()
+
+
+def test_draft_guesses_its_fed_tokens_and_may_propose_none(engine):
+    # Row 0 catches up on 12 tokens and proposes nothing (a probe); row 1, sampled, proposes
+    # two, and the distributions returned are its two alone.
+    tokens = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2, 9]
+    result = run_draft(
+        engine,
+        batch(
+            input_ids=np.array(tokens + [1, 2, 3, 4, 5], dtype=np.int64),
+            input_lengths=np.array([12, 5], dtype=np.int32),
+            slot_ids=np.array([0, 1], dtype=np.int32),
+            cache_lengths=np.array([0, 0], dtype=np.int32),
+            num_steps=np.array([0, 2], dtype=np.int32),
+            temperature=np.array([0.0, 0.9], dtype=np.float32),
+            top_k=np.array([0, 0], dtype=np.int32),
+            top_p=np.array([1.0, 1.0], dtype=np.float32),
+            end_ids=np.array([-1, -1], dtype=np.int32),
+            min_tokens_left=np.array([0, 0], dtype=np.int32),
+            seeds=np.array([1, 2], dtype=np.int64),
+        ),
+    )
+    reference = engine.forward(torch.tensor(tokens), [12], [2], [0], [12]).argmax(-1)
+    assert result.lookback(0) == reference[:11].tolist()  # the guesses of tokens 1..11
+    assert len(result.lookback(1)) == 4
+    assert result.token_ids[0].tolist() == [-1, -1]
+    assert (result.token_ids[1] >= 0).all()
+    assert result.probs.shape == (2, engine.config.vocab_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fakes import FakeEngines, fake_decode, oracle_continuation
+from specdec.controller import Choice
 from specdec.request import GenerationRequest
 from specdec.scheduler import QueueFull, SchedulerConfig, SpeculativeScheduler
 
@@ -176,3 +177,38 @@ def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
         controller.probe_cost.values()
     )
     assert booked and all(s == pytest.approx(0.010) for s in booked)
+
+
+def test_a_probe_scores_the_drafts_guesses_of_plain_tokens_without_a_verify(monkeypatch):
+    # Plain decoding for 20 steps, then one probe: the draft catches up (proposing nothing),
+    # its guesses of the 20 output tokens are first-position verdicts, and the target call
+    # verifies nothing extra.
+    engines = FakeEngines(4)
+    target_steps = []
+    target = engines.target
+
+    def recording_target(batch):
+        target_steps.append(batch.num_steps.tolist())
+        return target(batch)
+
+    engines.target = recording_target
+    config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
+    scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    controller = scheduler.controller
+    sequence = scheduler.submit(request([5, 6, 7], 40))
+    monkeypatch.setattr(controller, "choose", lambda n, fixed: Choice(0, False, 0.0))
+    for _ in range(20):
+        scheduler.step()
+    assert sequence.num_output_tokens == 20 and not any(r == "draft" for r, _ in engines.calls)
+    monkeypatch.setattr(controller, "choose", lambda n, fixed: Choice(0, True, 0.0))
+    scheduler.step()
+    assert engines.calls[-2:] == [("draft", 1), ("target", 1)]
+    assert target_steps[-1] == [1]
+    # The fake draft misses tokens at lengths divisible by 3: 7 of the outputs at 3..22.
+    window = controller.acceptance
+    assert window.tried[0] == pytest.approx((1 - window.decay**20) / (1 - window.decay))
+    assert window.accepted[0] / window.tried[0] == pytest.approx(13 / 20)
+    assert sequence.draft_cache_length == len(sequence.token_ids) - 1  # caught up
+    monkeypatch.undo()
+    run_all(scheduler)
+    assert sequence.token_ids[3:] == oracle_continuation([5, 6, 7], 40)

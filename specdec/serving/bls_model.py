@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import fields
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -22,6 +23,7 @@ from specdec.serving.metrics import LoopMetrics
 from specdec.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]
 
 
 class TritonEngines:
@@ -37,14 +39,14 @@ class TritonEngines:
         response = pb_utils.InferenceRequest(
             model_name=model,
             inputs=tensors,
-            requested_output_names=["token_ids", "probs"],
+            requested_output_names=ENGINE_OUTPUTS,
         ).exec()
         if response.has_error():
             raise RuntimeError(f"{model}: {response.error().message()}")
         return EngineResult.from_arrays(
             {
                 name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()
-                for name in ("token_ids", "probs")
+                for name in ENGINE_OUTPUTS
             }
         )
 
