@@ -165,3 +165,17 @@ def test_a_modelled_k_is_compared_with_a_modelled_k_zero():
             controller.observe_verdict(1, 0)
         controller.end_iteration(drafted=False)
     assert controller.choose(1, []).k == 0
+
+
+def test_one_lucky_verdict_does_not_start_speculation():
+    # Traced at one stream: the first probe was accepted, which read as 67% acceptance, and
+    # the loop drafted for 20 iterations with a draft accepted 30% of the time.
+    controller = AdaptiveController(8)
+    for tokens, seconds in ((1, 0.030), (2, 0.031), (3, 0.032)):
+        controller.observe_target(tokens, seconds)
+    controller.observe_draft(1, 1, 0.002)
+    controller.observe_verdict(1, 1)
+    assert controller.choose(1, []).k == 0
+    for _ in range(8):
+        controller.observe_verdict(1, 1)
+    assert controller.choose(1, []).k > 0  # enough verdicts, all accepted: now it drafts
