@@ -173,6 +173,9 @@ class AdaptiveController:
         # Whole iterations as they really cost, by (batch-size bucket, k): catch-up draft
         # calls, transfers and bookkeeping that the per-call curves do not see.
         self.iteration_cost: dict[tuple[int, int], tuple[float, int]] = {}
+        # Measured over modelled cost, by (batch-size bucket, k), kept after the measurement
+        # goes stale: once a k proved dearer than its model, a guess at it is corrected.
+        self.model_error: dict[tuple[int, int], float] = {}
         # Probe iterations as they really cost, by batch-size bucket: what spaces probes out.
         self.probe_cost: dict[int, float] = {}
         self.iteration = 0
@@ -196,6 +199,11 @@ class AdaptiveController:
     def observe_iteration(self, batch_size: int, k: int, seconds: float) -> None:
         """A whole iteration in which every adaptive row used k."""
         key = (batch_bucket(batch_size), k)
+        modelled = self._modelled_cost(k, batch_size, [])
+        if modelled:
+            error = seconds / modelled
+            previous_error = self.model_error.get(key, error)
+            self.model_error[key] = previous_error + ITERATION_EMA * (error - previous_error)
         previous = self.iteration_cost.get(key)
         if previous is not None and self.iteration - previous[1] < STALE_AFTER:
             seconds = previous[0] + ITERATION_EMA * (seconds - previous[0])
@@ -241,7 +249,19 @@ class AdaptiveController:
                 cost = self._modelled_cost(k, num_adaptive, fixed_ks)
                 if cost is None:  # the draft's cost never measured: try it once
                     return Choice(k, False, 0.0)
-                plain_cost, margin = plain_modelled, EXPLORE_MARGIN
+                # A guess, corrected by how far off the models were when this k and k = 0
+                # were last measured here: without that, every time the measurement went
+                # stale the same optimistic model tried again, and at 32 streams each try
+                # cost a second (every row's draft catching up).
+                # Both or neither: one corrected side against a raw one is a model against
+                # a measurement again.
+                bucket = batch_bucket(batch_size)
+                error = self.model_error.get((bucket, k))
+                plain_error = self.model_error.get((bucket, 0))
+                plain_cost = plain_modelled
+                if error is not None and plain_error is not None:
+                    cost, plain_cost = cost * error, plain_cost * plain_error
+                margin = EXPLORE_MARGIN
             # Speculating must beat plain decoding by a margin, so that noise alone never tips
             # it, and a guess must promise more. Among the k that clear it, a larger k must
             # beat a smaller one by a little.
