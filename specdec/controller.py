@@ -250,11 +250,10 @@ class AdaptiveController:
                 if cost is None:  # the draft's cost never measured: try it once
                     return Choice(k, False, 0.0)
                 # A guess, corrected by how far off the models were when this k and k = 0
-                # were last measured here: without that, every time the measurement went
-                # stale the same optimistic model tried again, and at 32 streams each try
-                # cost a second (every row's draft catching up).
-                # Both or neither: one corrected side against a raw one is a model against
-                # a measurement again.
+                # were last measured here (both or neither: one corrected side against a raw
+                # one is a model against a measurement again). Without it, every time the
+                # measurement went stale the same optimistic model tried again, and at 32
+                # streams each try cost a second (every row's draft catching up).
                 bucket = batch_bucket(batch_size)
                 error = self.model_error.get((bucket, k))
                 plain_error = self.model_error.get((bucket, 0))
