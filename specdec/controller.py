@@ -112,9 +112,6 @@ class AcceptanceWindow:
             rates.append(last)
         return rates
 
-    def seen(self, position: int) -> bool:
-        return self.tried[position] > 0
-
 
 def expected_tokens(rates: list[float], k: int) -> float:
     """Expected tokens one row emits per pass with k draft tokens."""

@@ -3,9 +3,10 @@
 Both engine models take the same tensors and return the same tensors; only the work differs.
 - draft:  append each row's new tokens to its slot, then propose `num_steps` tokens one at a
           time (all k steps inside one call: one Triton call per draft step would eat the gain).
-          It also returns, for up to LOOKBACK_TOKENS of the tokens it was fed, its own greedy
-          guess of each from the tokens before it: a draft that catches up on tokens plain
-          decoding produced says how often it would have agreed, without a verify.
+          A greedy row that catches up (fed more than 2 tokens) also gets, for up to
+          LOOKBACK_TOKENS of them, the draft's argmax guess of each from the tokens before
+          it: how often it would have agreed with what plain decoding produced, without a
+          verify.
 - target: append each row's new tokens (pending tokens + the draft's proposals) and return,
           for the row's last `num_steps` positions, the target argmax (greedy rows) or the
           target distribution (sampled rows).
@@ -63,12 +64,21 @@ class EngineBatch:
 LOOKBACK_TOKENS = 32
 
 
+def lookback_lengths(input_lengths: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """Guesses per row: only a greedy row's catch-up. A sampled row's tokens are draws, not
+    the argmax; and a drafting row is fed 1 or 2 tokens, where 2 means its proposals all
+    won and the one guess (of the bonus token) would favour easy text."""
+    catching_up = (input_lengths > 2) & (temperature == 0)
+    return np.where(catching_up, np.minimum(input_lengths.astype(np.int64) - 1, LOOKBACK_TOKENS), 0)
+
+
 @dataclass
 class EngineResult:
     token_ids: np.ndarray  # (B, max num_steps) int64, -1 where a row has no token
     probs: np.ndarray  # (P, V) float32, sampled rows' distributions, rows in order
     # (B, L) int64, draft only: row r's first n entries (n: those >= 0) are its argmax
-    # guesses of its last n fed tokens, in order, each from the tokens before it.
+    # guesses of its last n fed tokens, in order, each from the tokens before it
+    # (n = lookback_lengths(...)[r]).
     lookback_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -129,7 +139,7 @@ def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     generators = [torch.Generator().manual_seed(int(s)) for s in batch.seeds]
     sampled_probs: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
     cache_lengths = (batch.cache_lengths + batch.input_lengths).astype(np.int64)
-    lookback = np.minimum(batch.input_lengths.astype(np.int64) - 1, LOOKBACK_TOKENS)
+    lookback = lookback_lengths(batch.input_lengths, batch.temperature)
     logits = engine.forward(
         torch.from_numpy(batch.input_ids.astype(np.int64)),
         batch.input_lengths.tolist(),

@@ -319,11 +319,9 @@ class SpeculativeScheduler:
 
     def _observe_lookback(self, sequence: Sequence, guesses: list[int]) -> None:
         """Scores the draft's hindsight guesses of the tokens it was just fed (the last
-        len(guesses) of the sequence) against what greedy decoding produced there. Only a
-        catch-up counts: with two tokens fed, the draft is on a run its proposals all won,
-        and the one guess (of the bonus token) would favour easy text."""
-        pending = len(sequence.token_ids) - sequence.draft_cache_length
-        if not sequence.request.greedy or pending <= 2 or not guesses:
+        len(guesses) of the sequence; only a greedy row's catch-up has any, see
+        engine.lookback_lengths) against what greedy decoding produced there."""
+        if not guesses:
             return
         first = len(sequence.token_ids) - len(guesses)  # the index of the first guessed token
         skip = max(0, len(sequence.request.prompt_ids) - first)  # prompt tokens are not output

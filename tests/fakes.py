@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.engine import LOOKBACK_TOKENS, EngineBatch, EngineResult
+from specdec.engine import EngineBatch, EngineResult, lookback_lengths
 
 VOCAB = 50
 
@@ -58,7 +58,7 @@ class FakeEngines:
         rows = self._append(self.draft_cache, batch)
         self.calls.append(("draft", len(rows)))
         out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
-        guessed = [min(int(n) - 1, LOOKBACK_TOKENS) for n in batch.input_lengths]
+        guessed = lookback_lengths(batch.input_lengths, batch.temperature)
         lookback = np.full((len(rows), max(guessed)), -1, dtype=np.int64)
         for r, held in enumerate(rows):
             for j in range(guessed[r]):  # each of the last fed tokens, from those before it
