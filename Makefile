@@ -67,10 +67,11 @@ draft: models
 	$(PY) build/prepare_models.py --models-dir $(MODELS)
 
 # k = 0, 2, 4 and adaptive from 1 to 64 concurrent streams, on one server of its own;
-# then adaptive against k = 0 with the weak (rarely accepted) draft.
+# then adaptive against k = 0 with the weak (rarely accepted) draft, and k = 0 against
+# itself (k0-again): the noise floor of the same run.
 bench: models
 	$(PY) loadtest/bench.py --name bench
-	$(PY) loadtest/bench.py --name bench-weak-draft --modes k0,adaptive \
+	$(PY) loadtest/bench.py --name bench-weak-draft --modes k0,adaptive,k0-again \
 		--server-env DRAFT_CHECKPOINT=models/smollm2-135m-first4layers
 
 # The draft at concurrency 1: served speculation against k = 0 and transformers.

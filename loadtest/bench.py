@@ -2,17 +2,17 @@
 
     .venv/bin/python loadtest/bench.py --modes k0,k4 --concurrency 1 --max-tokens 128
 
-For each concurrency level, the modes take turns on the same server in two windows each,
-in mirrored order (k0 k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so
-that drift in the machine's speed over a level hits every mode alike: on these shared
-machines the same target call measured 10% apart a few minutes later. In a window,
-`concurrency` workers, each on its own gRPC stream, send streamed greedy requests back to
-back for half of `--level-seconds`. Output tokens/s is the server's emitted-token counter
-over the windows, in which every stream is busy (the requests under way at a window's end
-then finish; counting whole requests instead would mix in a tail at lower concurrency).
-Per level and mode it also records p50/p99 request latency, time to first token and
-inter-chunk latency, and the acceptance rate. Writes results/<name>.json, .csv and .png
-and prints tokens/s ratios against k = 0. Without --url it starts its own server.
+At each concurrency level, `concurrency` workers, each on its own gRPC stream, send
+streamed greedy requests back to back for the whole level, their ends staggered as under
+real traffic (see SustainedLoad). The modes take turns in two windows each, in mirrored
+order (k0 k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so that drift in
+the machine's speed over a level hits every mode alike: on these shared machines the same
+target call measured 10% apart a few minutes later. At a switch, new requests take the new
+mode at once, and its window opens when every stream runs it. Output tokens/s is the
+server's emitted-token counter over a mode's windows. Per level and mode it also records
+p50/p99 request latency, time to first token and inter-chunk latency, and the acceptance
+rate, of the requests that started in its windows. Writes results/<name>.json, .csv and
+.png and prints tokens/s ratios against k = 0. Without --url it starts its own server.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from report import finish_axes, percentile
-from specdec.client import StreamingClient, scrape_metrics
+from specdec.client import GenerationResult, StreamingClient, generate, scrape_metrics
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # k0-again is k = 0 under a second name: `--modes k0,k0-again` measures the noise floor.
@@ -63,10 +63,9 @@ class LevelResult:
     num_requests: int
     num_errors: int
     output_tokens: int
-    wall_s: float
-    tokens_per_s: float  # while all `concurrency` streams were busy (server counter)
+    counted_s: float  # the windows' length
+    tokens_per_s: float  # in the windows, every stream busy in this mode (server counter)
     window_tokens_per_s: list[float]  # each window's own figure: the spread drift leaves
-    completed_tokens_per_s: float  # tokens of completed requests / wall time, tail included
     acceptance_rate: float
     draft_tokens_per_output_token: float  # how much the mode speculated
     latency_p50_s: float
@@ -93,84 +92,144 @@ def emitted_tokens(metrics_url: str | None) -> float:
 
 
 @dataclass
+class Request:
+    """One request of a level: the mode it ran in, when it left, what came back."""
+
+    mode: str
+    started: float  # time.perf_counter()
+    result: GenerationResult | None = None  # once it has finished
+
+
+@dataclass
 class Window:
-    """One mode's stretch of sustained load: its requests and the server's count of tokens."""
+    """One mode's stretch of steady load, and the server's count of tokens emitted in it."""
 
-    results: list
-    tokens: float  # emitted while every stream was busy (server counter)
-    seconds: float  # that window
-    wall: float  # until the last request under way at its end finished
+    mode: str
+    start: float
+    end: float
+    tokens: float | None  # None: no metrics endpoint to count them
+
+    def holds(self, request: Request) -> bool:
+        return self.start <= request.started < self.end
 
 
-def run_window(
-    url: str, mode: str, concurrency: int, prompts: list[str], config: BenchConfig, seconds: float
-) -> Window:
-    """`concurrency` streams send requests back to back for `seconds`; requests under way at
-    the end finish (their latencies count), but only the tokens emitted while every stream
-    was busy count towards throughput."""
-    results, lock = [], threading.Lock()
-    deadline = time.perf_counter() + seconds
+class SustainedLoad:
+    """`concurrency` streams that send streamed greedy requests back to back for a whole
+    level, each request in the mode that is current when it leaves.
 
-    def worker(index: int) -> None:
-        with StreamingClient(url, config.model) as client:
+    Stream i's first request (a lead-in, not reported) asks for (i + 1) / concurrency of
+    `max_tokens`, so that from then on the streams' requests end at staggered times, as under
+    real traffic. Earlier versions started every stream at once in each window: the window
+    opened with one prefill of every prompt (a time to first token no user sees in steady
+    traffic), and where it closed in the requests' common cycle moved a mode's figure (k = 0
+    against itself at 64 streams: 0.88x, against 0.98x with staggered streams; one run each)."""
+
+    def __init__(self, url: str, concurrency: int, prompts: list[str], config: BenchConfig):
+        self.url, self.concurrency, self.prompts, self.config = url, concurrency, prompts, config
+        self.mode = config.modes[0]
+        self.requests: list[Request] = []  # lead-ins left out
+        self.latest: list[Request | None] = [None] * concurrency  # each stream's newest
+        self.first_token = [False] * concurrency  # whether that one has had a token yet
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._stream, args=(i,), daemon=True)
+            for i in range(concurrency)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _stream(self, index: int) -> None:
+        def on_chunk(_chunk: str) -> None:
+            self.first_token[index] = True
+
+        with StreamingClient(self.url, self.config.model) as client:
             for r in itertools.count():
-                if r and time.perf_counter() >= deadline:  # every stream sends at least one
+                if self.stopping.is_set():
                     return
-                result = client.generate(
-                    prompts[(index + r * concurrency) % len(prompts)],
-                    max_tokens=config.max_tokens,
+                max_tokens = self.config.max_tokens
+                with self.lock:
+                    request = Request(self.mode, time.perf_counter())
+                    self.latest[index], self.first_token[index] = request, False
+                    if r == 0:
+                        max_tokens = max(1, round(max_tokens * (index + 1) / self.concurrency))
+                    else:
+                        self.requests.append(request)
+                request.result = client.generate(
+                    self.prompts[(index + r * self.concurrency) % len(self.prompts)],
+                    max_tokens=max_tokens,
                     stream=True,
-                    num_draft_tokens=MODES[mode],
+                    num_draft_tokens=MODES[request.mode],
                     return_perf_metrics=True,
                     return_num_output_tokens=True,
                     exclude_input_in_output=True,
+                    on_chunk=on_chunk,
                 )
-                with lock:
-                    results.append(result)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    start, counted_before = time.perf_counter(), emitted_tokens(config.metrics_url)
-    for thread in threads:
-        thread.start()
-    time.sleep(max(0.0, deadline - time.perf_counter()))
-    tokens = emitted_tokens(config.metrics_url) - counted_before
-    window = time.perf_counter() - start
-    for thread in threads:
-        thread.join()
-    return Window(results, tokens, window, time.perf_counter() - start)
+    def steady_in(self, mode: str) -> bool:
+        """Every stream's request under way is in `mode` and has had its first token (for the
+        first window: the lead-ins' prefills are behind)."""
+        with self.lock:
+            return all(
+                request is not None and request.mode == mode and first
+                for request, first in zip(self.latest, self.first_token, strict=True)
+            )
+
+    def window(self, mode: str, seconds: float) -> Window:
+        """Switch to `mode`, wait until the other mode's requests have finished, then count
+        `seconds` of load in which every stream runs `mode`."""
+        with self.lock:
+            self.mode = mode
+        while not self.steady_in(mode):
+            if not all(thread.is_alive() for thread in self.threads):
+                raise RuntimeError("a load stream died (the server stopped answering?)")
+            time.sleep(0.02)
+        start, counted_before = time.perf_counter(), emitted_tokens(self.config.metrics_url)
+        time.sleep(seconds)
+        counted = emitted_tokens(self.config.metrics_url) - counted_before
+        tokens = counted if self.config.metrics_url is not None else None
+        return Window(mode, start, time.perf_counter(), tokens)
+
+    def stop(self) -> list[Request]:
+        """The requests under way finish; all requests but the lead-ins, with their results."""
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join()
+        return self.requests
 
 
-def summarize(mode: str, concurrency: int, windows: list[Window], counted: bool) -> LevelResult:
-    """One mode at one level, over all its windows (`counted`: the server counted tokens)."""
-    results = [r for w in windows for r in w.results]
-    wall = sum(w.wall for w in windows)
-    ok = [r for r in results if r.error is None]
-    tokens = sum(int(r.metrics.get("num_output_tokens", 0)) for r in ok)
+def summarize(
+    mode: str, concurrency: int, windows: list[Window], requests: list[Request]
+) -> LevelResult:
+    """One mode at one level: its windows' tokens/s, and the requests that started in them."""
+    mine = [r for r in requests if any(w.holds(r) for w in windows)]
+    ok = [r.result for r in mine if r.result.error is None]
+
+    def tokens_of(results) -> int:
+        return sum(int(result.metrics.get("num_output_tokens", 0)) for result in results)
+
+    counted = []  # tokens per window; without the server's counter, those of its requests
+    for w in windows:
+        started = [r.result for r in mine if w.holds(r) and r.result.error is None]
+        counted.append(w.tokens if w.tokens is not None else tokens_of(started))
+    seconds = sum(w.end - w.start for w in windows)
+    tokens = tokens_of(ok)
     drafted = sum(r.metrics.get("total_draft_tokens", 0) for r in ok)
     accepted = sum(r.metrics.get("total_accepted_draft_tokens", 0) for r in ok)
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r.chunk_times)]
     latencies = [r.elapsed for r in ok]
     ttfts = [r.time_to_first_token for r in ok if r.time_to_first_token is not None]
-    if counted:
-        per_window = [w.tokens / w.seconds for w in windows]
-        tokens_per_s = sum(w.tokens for w in windows) / sum(w.seconds for w in windows)
-    else:
-        per_window = [
-            sum(int(r.metrics.get("num_output_tokens", 0)) for r in w.results if r.error is None)
-            / w.wall
-            for w in windows
-        ]
-        tokens_per_s = tokens / wall
     return LevelResult(
         mode=mode,
         concurrency=concurrency,
-        num_requests=len(results),
-        num_errors=len(results) - len(ok),
+        num_requests=len(mine),
+        num_errors=len(mine) - len(ok),
         output_tokens=tokens,
-        wall_s=wall,
-        tokens_per_s=tokens_per_s,
-        window_tokens_per_s=[round(x, 2) for x in per_window],
-        completed_tokens_per_s=tokens / wall,
+        counted_s=seconds,
+        tokens_per_s=sum(counted) / seconds,
+        window_tokens_per_s=[
+            round(n / (w.end - w.start), 2) for n, w in zip(counted, windows, strict=True)
+        ],
         acceptance_rate=accepted / drafted if drafted else 0.0,
         draft_tokens_per_output_token=drafted / tokens if tokens else 0.0,
         latency_p50_s=percentile(latencies, 50),
@@ -245,18 +304,17 @@ def run(config: BenchConfig) -> list[LevelResult]:
         config.metrics_url = server.metrics_url
     url = config.url or server.url
     try:
-        warm_up = BenchConfig(modes=[], concurrency=[], max_tokens=8, level_seconds=0.0)
-        warm_up.model = config.model
-        run_window(url, config.modes[0], 1, prompts[:1], warm_up, 0.0)
+        generate(prompts[0], url, config.model, max_tokens=8)  # warm-up
         levels = []
         for i, concurrency in enumerate(config.concurrency):
-            windows: dict[str, list[Window]] = {mode: [] for mode in config.modes}
             schedule = window_schedule(config.modes, i)
-            for mode in schedule:
-                seconds = config.level_seconds / schedule.count(mode)
-                windows[mode].append(run_window(url, mode, concurrency, prompts, config, seconds))
+            seconds = config.level_seconds / schedule.count(config.modes[0])
+            load = SustainedLoad(url, concurrency, prompts, config)
+            windows = [load.window(mode, seconds) for mode in schedule]
+            requests = load.stop()
             for mode in config.modes:
-                level = summarize(mode, concurrency, windows[mode], config.metrics_url is not None)
+                mine = [w for w in windows if w.mode == mode]
+                level = summarize(mode, concurrency, mine, requests)
                 levels.append(level)
                 print(
                     f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s "
