@@ -2,17 +2,16 @@
 
     .venv/bin/python loadtest/bench.py --modes k0,k4 --concurrency 1 --max-tokens 128
 
-At each concurrency level, `concurrency` workers, each on its own gRPC stream, send
-streamed greedy requests back to back for the whole level, their ends staggered as under
-real traffic (see SustainedLoad). The modes take turns in two windows each, in mirrored
-order (k0 k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so that drift in
-the machine's speed over a level hits every mode alike: on these shared machines the same
-target call measured 10% apart a few minutes later. At a switch, new requests take the new
-mode at once, and its window opens when every stream runs it. Output tokens/s is the
-server's emitted-token counter over a mode's windows. Per level and mode it also records
+At each concurrency level the modes take turns in two windows each, in mirrored order (k0
+k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so that drift in the
+machine's speed over a level hits every mode alike: on these shared machines the same
+target call measured 10% apart a few minutes later. In a window, `concurrency` workers,
+each on its own gRPC stream, send streamed greedy requests back to back, their ends
+staggered as under real traffic (see StaggeredLoad). Output tokens/s is the server's
+emitted-token counter over the windows' steady part. Per level and mode it also records
 p50/p99 request latency, time to first token and inter-chunk latency, and the acceptance
-rate, of the requests that started in its windows. Writes results/<name>.json, .csv and
-.png and prints tokens/s ratios against k = 0. Without --url it starts its own server.
+rate. Writes results/<name>.json, .csv and .png and prints tokens/s ratios against k = 0.
+Without --url it starts its own server.
 """
 
 from __future__ import annotations
@@ -93,9 +92,9 @@ def emitted_tokens(metrics_url: str | None) -> float:
 
 @dataclass
 class Request:
-    """One request of a level: the mode it ran in, when it left, what came back."""
+    """One request of a window: when it left and what came back."""
 
-    mode: str
+    window: int  # the index of the window it belongs to
     started: float  # time.perf_counter()
     result: GenerationResult | None = None  # once it has finished
 
@@ -104,34 +103,37 @@ class Request:
 class Window:
     """One mode's stretch of steady load, and the server's count of tokens emitted in it."""
 
+    index: int
     mode: str
     start: float
     end: float
     tokens: float | None  # None: no metrics endpoint to count them
 
-    def holds(self, request: Request) -> bool:
-        return self.start <= request.started < self.end
 
+class StaggeredLoad:
+    """`concurrency` streams, each sending streamed greedy requests back to back in the mode
+    of the current window, their ends staggered as under real traffic.
 
-class SustainedLoad:
-    """`concurrency` streams that send streamed greedy requests back to back for a whole
-    level, each request in the mode that is current when it leaves.
-
-    Stream i's first request (a lead-in, not reported) asks for (i + 1) / concurrency of
-    `max_tokens`, so that from then on the streams' requests end at staggered times, as under
-    real traffic. Earlier versions started every stream at once in each window: the window
-    opened with one prefill of every prompt (a time to first token no user sees in steady
-    traffic), and where it closed in the requests' common cycle moved a mode's figure (k = 0
-    against itself at 64 streams: 0.88x, against 0.98x with staggered streams; one run each)."""
+    A window starts every stream at once, stream i with a lead-in request (not reported) for
+    (i + 1) / concurrency of `max_tokens`; from then on the streams' requests end at staggered
+    times. Counting opens once every stream has had a token of the window's mode (the lead-
+    ins' prefills are behind) and lasts `seconds`; then no new request leaves, and the window
+    ends when the requests under way have finished, so that no request shares a batch with
+    another mode's (they run on, at falling concurrency: their latencies are a little low).
+    Earlier versions started every stream at once and counted from there: the window opened
+    with one prefill of every prompt (a time to first token no user sees in steady traffic),
+    and where it closed in the requests' common cycle moved a mode's figure (k = 0 against
+    itself at 64 streams: 0.88x, against 0.98x staggered; one run each)."""
 
     def __init__(self, url: str, concurrency: int, prompts: list[str], config: BenchConfig):
         self.url, self.concurrency, self.prompts, self.config = url, concurrency, prompts, config
-        self.mode = config.modes[0]
         self.requests: list[Request] = []  # lead-ins left out
-        self.latest: list[Request | None] = [None] * concurrency  # each stream's newest
-        self.first_token = [False] * concurrency  # whether that one has had a token yet
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
+        self.windows: list[Window] = []
+        self.mode: str | None = None  # None: between windows, no request leaves
+        self.busy = [False] * concurrency  # a request under way
+        self.first_token = [False] * concurrency  # the stream has had a token this window
+        self.stopping = False
+        self.changed = threading.Condition()
         self.threads = [
             threading.Thread(target=self._stream, args=(i,), daemon=True)
             for i in range(concurrency)
@@ -144,14 +146,20 @@ class SustainedLoad:
             self.first_token[index] = True
 
         with StreamingClient(self.url, self.config.model) as client:
+            window_seen = -1
             for r in itertools.count():
-                if self.stopping.is_set():
-                    return
-                max_tokens = self.config.max_tokens
-                with self.lock:
-                    request = Request(self.mode, time.perf_counter())
-                    self.latest[index], self.first_token[index] = request, False
-                    if r == 0:
+                with self.changed:
+                    self.busy[index] = False
+                    self.changed.notify_all()
+                    self.changed.wait_for(lambda: self.stopping or self.mode is not None)
+                    if self.stopping:
+                        return
+                    mode, window = self.mode, len(self.windows)
+                    self.busy[index] = True
+                    request = Request(window, time.perf_counter())
+                    max_tokens = self.config.max_tokens
+                    if window != window_seen:  # the window's first request: a lead-in
+                        window_seen = window
                         max_tokens = max(1, round(max_tokens * (index + 1) / self.concurrency))
                     else:
                         self.requests.append(request)
@@ -159,40 +167,43 @@ class SustainedLoad:
                     self.prompts[(index + r * self.concurrency) % len(self.prompts)],
                     max_tokens=max_tokens,
                     stream=True,
-                    num_draft_tokens=MODES[request.mode],
+                    num_draft_tokens=MODES[mode],
                     return_perf_metrics=True,
                     return_num_output_tokens=True,
                     exclude_input_in_output=True,
                     on_chunk=on_chunk,
                 )
 
-    def steady_in(self, mode: str) -> bool:
-        """Every stream's request under way is in `mode` and has had its first token (for the
-        first window: the lead-ins' prefills are behind)."""
-        with self.lock:
-            return all(
-                request is not None and request.mode == mode and first
-                for request, first in zip(self.latest, self.first_token, strict=True)
-            )
+    def _wait(self, condition) -> None:
+        with self.changed:
+            while not self.changed.wait_for(condition, timeout=0.05):
+                if not all(thread.is_alive() for thread in self.threads):
+                    raise RuntimeError("a load stream died (the server stopped answering?)")
 
     def window(self, mode: str, seconds: float) -> Window:
-        """Switch to `mode`, wait until the other mode's requests have finished, then count
-        `seconds` of load in which every stream runs `mode`."""
-        with self.lock:
+        """`seconds` of steady load in `mode`, counted; returns once the load has drained."""
+        with self.changed:
+            self.first_token = [False] * self.concurrency
             self.mode = mode
-        while not self.steady_in(mode):
-            if not all(thread.is_alive() for thread in self.threads):
-                raise RuntimeError("a load stream died (the server stopped answering?)")
-            time.sleep(0.02)
+            self.changed.notify_all()
+        self._wait(lambda: all(self.first_token))
         start, counted_before = time.perf_counter(), emitted_tokens(self.config.metrics_url)
         time.sleep(seconds)
         counted = emitted_tokens(self.config.metrics_url) - counted_before
+        end = time.perf_counter()
+        with self.changed:
+            self.mode = None
+        self._wait(lambda: not any(self.busy))
         tokens = counted if self.config.metrics_url is not None else None
-        return Window(mode, start, time.perf_counter(), tokens)
+        window = Window(len(self.windows), mode, start, end, tokens)
+        self.windows.append(window)
+        return window
 
     def stop(self) -> list[Request]:
-        """The requests under way finish; all requests but the lead-ins, with their results."""
-        self.stopping.set()
+        """Ends the streams; every request but the lead-ins, with its result."""
+        with self.changed:
+            self.stopping = True
+            self.changed.notify_all()
         for thread in self.threads:
             thread.join()
         return self.requests
@@ -201,8 +212,9 @@ class SustainedLoad:
 def summarize(
     mode: str, concurrency: int, windows: list[Window], requests: list[Request]
 ) -> LevelResult:
-    """One mode at one level: its windows' tokens/s, and the requests that started in them."""
-    mine = [r for r in requests if any(w.holds(r) for w in windows)]
+    """One mode at one level: its windows' tokens/s, and their requests."""
+    indices = {w.index for w in windows}
+    mine = [r for r in requests if r.window in indices]
     ok = [r.result for r in mine if r.result.error is None]
 
     def tokens_of(results) -> int:
@@ -210,7 +222,7 @@ def summarize(
 
     counted = []  # tokens per window; without the server's counter, those of its requests
     for w in windows:
-        started = [r.result for r in mine if w.holds(r) and r.result.error is None]
+        started = [r.result for r in mine if r.window == w.index and r.result.error is None]
         counted.append(w.tokens if w.tokens is not None else tokens_of(started))
     seconds = sum(w.end - w.start for w in windows)
     tokens = tokens_of(ok)
@@ -309,7 +321,7 @@ def run(config: BenchConfig) -> list[LevelResult]:
         for i, concurrency in enumerate(config.concurrency):
             schedule = window_schedule(config.modes, i)
             seconds = config.level_seconds / schedule.count(config.modes[0])
-            load = SustainedLoad(url, concurrency, prompts, config)
+            load = StaggeredLoad(url, concurrency, prompts, config)
             windows = [load.window(mode, seconds) for mode in schedule]
             requests = load.stop()
             for mode in config.modes:
