@@ -92,10 +92,9 @@ def emitted_tokens(metrics_url: str | None) -> float:
 
 @dataclass
 class Request:
-    """One request of a window: when it left and what came back."""
+    """One request of a window, and what came back."""
 
     window: int  # the index of the window it belongs to
-    started: float  # time.perf_counter()
     result: GenerationResult | None = None  # once it has finished
 
 
@@ -156,7 +155,7 @@ class StaggeredLoad:
                         return
                     mode, window = self.mode, len(self.windows)
                     self.busy[index] = True
-                    request = Request(window, time.perf_counter())
+                    request = Request(window)
                     max_tokens = self.config.max_tokens
                     if window != window_seen:  # the window's first request: a lead-in
                         window_seen = window
@@ -222,8 +221,8 @@ def summarize(
 
     counted = []  # tokens per window; without the server's counter, those of its requests
     for w in windows:
-        started = [r.result for r in mine if r.window == w.index and r.result.error is None]
-        counted.append(w.tokens if w.tokens is not None else tokens_of(started))
+        own = [r.result for r in mine if r.window == w.index and r.result.error is None]
+        counted.append(w.tokens if w.tokens is not None else tokens_of(own))
     seconds = sum(w.end - w.start for w in windows)
     tokens = tokens_of(ok)
     drafted = sum(r.metrics.get("total_draft_tokens", 0) for r in ok)
