@@ -82,7 +82,8 @@ bench-draft: models
 soak: models
 	$(PY) loadtest/soak.py --duration 600 --concurrency 8
 
-# Locust ramp 1..256 users, adaptive and k = 0 (about 25 minutes).
+# Locust ramp 1..256 users: k = 0, adaptive, then k = 0 again, the spread between two ramps
+# of one mode (about 35 minutes).
 loadtest: models
 	$(PY) loadtest/run_loadtest.py
 

@@ -10,8 +10,8 @@ another. Per request it reports, as Locust entries of type "gRPC":
 - `time_to_first_token` and `inter_chunk`: latencies in ms;
 - `tokens_per_s`: the request's output tokens per second, in the response-time column.
 Options: --max-tokens, --temperature, --top-p, --num-draft-tokens (-1: the server's
-choice), --model, --stream-timeout; --ramp runs the 1..256 users ramp (RampShape), --smoke
-a 30-second one for CI.
+choice), --model, --stream-timeout; --ramp runs the 1..256 users ramp (RampShape; --max-users
+ends it earlier), --smoke a 30-second one for CI.
 
 Note on tokens/s as an entry: Locust only aggregates times, so the `tokens_per_s` row's
 "response time" columns hold tokens per second (higher is better there).
@@ -58,6 +58,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ramp", action="store_true", help="1, 2, 4 ... 256 users, then stop")
     parser.add_argument("--smoke", action="store_true", help="a 30 s ramp 1, 2, 4 for CI")
     parser.add_argument("--stage-seconds", type=float, default=60.0)
+    parser.add_argument("--max-users", type=int, default=256, help="--ramp: the last stage's users")
     parser.add_argument("--raw-prompts", action="store_true", help="no chat format")
     parser.add_argument(
         "--records",
@@ -143,6 +144,7 @@ class StreamingUser(User):
             top_p=o.top_p,
             exclude_input_in_output=True,
             return_num_output_tokens=True,
+            return_perf_metrics=True,
         )
         if o.num_draft_tokens >= 0:
             params["num_draft_tokens"] = o.num_draft_tokens
@@ -169,7 +171,11 @@ class StreamingUser(User):
         tokens = int(result.metrics.get("num_output_tokens", 0))
         self._fire("generate", elapsed_ms, length=tokens)
         self._record(
-            outcome="ok", elapsed=result.elapsed, tokens=tokens, ttft=result.time_to_first_token
+            outcome="ok",
+            elapsed=result.elapsed,
+            tokens=tokens,
+            ttft=result.time_to_first_token,
+            drafted=int(result.metrics.get("total_draft_tokens", 0)),
         )
         if result.time_to_first_token is not None:
             self._fire("time_to_first_token", 1000 * result.time_to_first_token)
@@ -185,15 +191,16 @@ SMOKE_USERS = [1, 2, 4]
 if "--ramp" in sys.argv or "--smoke" in sys.argv:  # Locust uses any shape class it finds
 
     class RampShape(LoadTestShape):
-        """1, 2, 4, ... 256 users (--smoke: 1, 2, 4), spawned at once so that each stage
-        measures a steady state. A stage holds --stage-seconds plus 0.5 s per user (with
-        many users the queue is long, and a request takes longer); --smoke holds 10 s.
-        Stops by itself after the last stage."""
+        """1, 2, 4, ... 256 users (--smoke: 1, 2, 4; --max-users: up to that), spawned at
+        once so that each stage measures a steady state. A stage holds --stage-seconds plus
+        0.5 s per user (with many users the queue is long, and a request takes longer);
+        --smoke holds 10 s. Stops by itself after the last stage."""
 
         def tick(self):
             options = self.runner.environment.parsed_options
             elapsed, run_time = 0.0, self.get_run_time()
-            for users in SMOKE_USERS if options.smoke else RAMP_USERS:
+            stages = SMOKE_USERS if options.smoke else RAMP_USERS
+            for users in [u for u in stages if u <= options.max_users]:
                 elapsed += 10.0 if options.smoke else options.stage_seconds + 0.5 * users
                 if run_time < elapsed:
                     return users, users

@@ -49,7 +49,7 @@ def test_locust_smoke_ramp_streams_without_failures(server, tmp_path: Path):
     recorded = [json.loads(line) for line in records.read_text().splitlines()]
     assert {r["outcome"] for r in recorded} == {"ok"}
     assert {r["users"] for r in recorded} <= {1, 2, 4}
-    assert all(0 < r["tokens"] <= 16 for r in recorded)
+    assert all(0 < r["tokens"] <= 16 and r["drafted"] >= 0 for r in recorded)
 
 
 def test_perf_analyzer_streams_the_ensemble(server):
