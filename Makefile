@@ -83,7 +83,7 @@ soak: models
 	$(PY) loadtest/soak.py --duration 600 --concurrency 8
 
 # Locust ramp 1..256 users: k = 0, adaptive, then k = 0 again, the spread between two ramps
-# of one mode (about 35 minutes).
+# of one mode (about 40 minutes).
 loadtest: models
 	$(PY) loadtest/run_loadtest.py
 

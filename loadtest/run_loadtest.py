@@ -114,13 +114,21 @@ def plot(summary: dict[str, list[dict]], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, stages in summary.items():
         users = [s["users"] for s in stages]
-        left.plot(users, [s["tokens_per_s"] for s in stages], marker="o", label=name)
-        right.plot(users, [s["ttft_p50_s"] for s in stages], marker="o", label=f"{name} p50")
+        (line,) = left.plot(users, [s["tokens_per_s"] for s in stages], marker="o", label=name)
+        color = line.get_color()  # one colour per run on both sides
+        right.plot(
+            users,
+            [s["ttft_p50_s"] for s in stages],
+            marker="o",
+            color=color,
+            label=f"{name} p50",
+        )
         right.plot(
             users,
             [s["ttft_p99_s"] for s in stages],
             marker="x",
             linestyle="--",
+            color=color,
             label=f"{name} p99",
         )
     finish_axes(((left, "output tokens/s"), (right, "time to first token (s)")), "users")
