@@ -1,4 +1,4 @@
-"""`make loadtest`: the Locust ramp, speculative (adaptive) and k = 0, on one server.
+"""`make loadtest`: the Locust ramp once per mode (k = 0, adaptive, k = 0 again), one server.
 
     .venv/bin/python loadtest/run_loadtest.py [--runs k0,adaptive,k0-again] [--smoke]
         [--stage-seconds 45] [--max-users 256]
