@@ -89,17 +89,18 @@ def summarize(records: Path) -> list[dict]:
         start = min(r["t"] - r["elapsed"] for r in stage)
         end = max(r["t"] for r in stage)
         ttfts = [r["ttft"] for r in ok if r.get("ttft") is not None]
+        tokens = sum(r["tokens"] for r in ok)
         stages.append(
             {
                 "users": users,
                 "requests": len(stage),
                 "failures": sum(r["outcome"] not in ("ok", "rejected") for r in stage),
                 "rejected": sum(r["outcome"] == "rejected" for r in stage),
-                "tokens_per_s": sum(r["tokens"] for r in ok) / max(end - start, 1e-9),
+                "tokens_per_s": tokens / max(end - start, 1e-9),
                 "ttft_p50_s": percentile(ttfts, 50),
                 "ttft_p99_s": percentile(ttfts, 99),
                 "draft_tokens_per_output_token": sum(r.get("drafted", 0) for r in ok)
-                / max(sum(r["tokens"] for r in ok), 1),
+                / max(tokens, 1),
             }
         )
     return stages
