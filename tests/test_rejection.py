@@ -112,3 +112,43 @@ def test_seeded_rejection_is_deterministic():
 
     assert run(11) == run(11)
     assert run(11) != run(12)
+
+
+def point_mass_counts(draft_ids: list[int], num_draws: int, seed: int) -> torch.Tensor:
+    """Like joint_counts, for a model-free proposer: the same proposal every round, no
+    draft distribution (a point mass on each proposed token)."""
+    vocab = TARGET_PROBS.shape[-1]
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(vocab * vocab)
+    for _ in range(num_draws):
+        emitted = rejection_sample(draft_ids, None, TARGET_PROBS, generator).token_ids
+        if len(emitted) < 2:
+            emitted = emitted + [sample_token(TARGET_PROBS[1], generator)]
+        counts[emitted[0] * vocab + emitted[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "draft_ids",
+    [
+        [0, 3],  # the target's likeliest first token, then a likely one
+        [5, 2],  # a first token the target never emits: always rejected
+        [4, 5],  # a second token the target never emits
+    ],
+)
+def test_point_mass_proposals_keep_the_target_distribution(draft_ids):
+    counts = point_mass_counts(draft_ids, 40_000, seed=5)
+    expected = torch.outer(TARGET_PROBS[0], TARGET_PROBS[1]).flatten()
+    stat, dof = chi_square(counts, expected)
+    assert dof == 29
+    assert stat < CHI2_CRITICAL_0_001[29]
+
+
+def test_point_mass_accepts_with_the_target_probability():
+    generator = torch.Generator().manual_seed(9)
+    accepted = sum(
+        rejection_sample([0], None, TARGET_PROBS[:2], generator).num_accepted for _ in range(20_000)
+    )
+    assert abs(accepted / 20_000 - float(TARGET_PROBS[0, 0])) < 0.02
+    never = rejection_sample([5], None, TARGET_PROBS[:2], generator)
+    assert never.num_accepted == 0 and never.token_ids[0] != 5
