@@ -31,6 +31,7 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "beam_width": ("INT32", np.int32),
     "num_return_sequences": ("INT32", np.int32),
     "num_draft_tokens": ("INT32", np.int32),
+    "fixed_num_draft_tokens": ("BOOL", np.bool_),
     "exclude_input_in_output": ("BOOL", np.bool_),
     "return_perf_metrics": ("BOOL", np.bool_),
     "return_num_input_tokens": ("BOOL", np.bool_),
@@ -62,7 +63,8 @@ def build_inputs(prompt: str | bytes, **params) -> list[grpcclient.InferInput]:
     for name, value in params.items():
         if value is None:
             continue
-        if name in ("stop_words", "bad_words"):
+        if name in ("stop_words", "bad_words", "proposer"):
+            value = [value] if isinstance(value, str) else value
             words = np.array([[w.encode("utf-8") for w in value]], dtype=np.object_)
             tensor = grpcclient.InferInput(name, list(words.shape), "BYTES")
             tensor.set_data_from_numpy(words)

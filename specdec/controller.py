@@ -103,12 +103,17 @@ class AcceptanceWindow:
         self.tried[0] = self.tried[0] * kept + weight
         self.accepted[0] = self.accepted[0] * kept + weight * hits / total
 
-    def rates(self) -> list[float]:
-        """Per position; an unseen position borrows the rate of the last seen one."""
+    def rates(self, prior: list[float] | None = None) -> list[float]:
+        """Per position; an unseen position borrows the rate of the last seen one. `prior`:
+        per-position rates to shrink towards instead of the constant one (a row's own
+        window shrinks towards every row's)."""
         rates, last = [], self.prior
-        for accepted, tried in zip(self.accepted, self.tried, strict=True):
+        for i, (accepted, tried) in enumerate(zip(self.accepted, self.tried, strict=True)):
+            position_prior = self.prior if prior is None else prior[i]
             if tried > 0:
-                last = (accepted + self.prior * self.prior_weight) / (tried + self.prior_weight)
+                last = (accepted + position_prior * self.prior_weight) / (tried + self.prior_weight)
+            elif prior is not None:
+                last = position_prior
             rates.append(last)
         return rates
 

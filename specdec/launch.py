@@ -7,9 +7,9 @@ Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torc
 onnxruntime or tensorrt; specdec/engines.py), DEVICE (torch engine: cpu or cuda),
 DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
 .run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
-DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, RUN_DIR (.run). The repository in model_repository/
-is rendered into RUN_DIR with these values, so the committed configs stay usable as they are
-(docker compose mounts them).
+DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RUN_DIR (.run). The
+repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
+configs stay usable as they are (docker compose mounts them).
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class ServerConfig:
                 config.parameters.setdefault(model, {})["checkpoint"] = env["TARGET_CHECKPOINT"]
         if env.get("DRAFT_CHECKPOINT"):
             config.parameters.setdefault("draft_model", {})["checkpoint"] = env["DRAFT_CHECKPOINT"]
+        if "PROPOSERS" in env:  # "" is a value: no speculation
+            config.parameters.setdefault("speculative_decoding", {})["proposers"] = env["PROPOSERS"]
         if env.get("MAX_QUEUE"):
             config.parameters.setdefault("speculative_decoding", {})["max_queue"] = env["MAX_QUEUE"]
         if env.get("DEFAULT_NUM_DRAFT_TOKENS"):

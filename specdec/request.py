@@ -20,6 +20,10 @@ class InvalidInput(ValueError):
         self.field = field_name
 
 
+# Where draft tokens come from: the draft model (a Triton model call) or prompt lookup in the
+# loop's own process (specdec/ngram.py).
+PROPOSERS = ("draft_model", "ngram")
+
 # TensorRT-LLM inputs we accept only at their neutral value: name -> (neutral value, what).
 NEUTRAL_INPUTS: dict[str, float] = {
     "beam_width": 1,
@@ -50,7 +54,9 @@ class GenerationRequest:
     min_tokens: int = 0
     end_id: int = -1
     stop_words: list[str] = field(default_factory=list)
-    num_draft_tokens: int | None = None  # None: the server chooses
+    num_draft_tokens: int | None = None  # the most draft tokens per step; None: the server's
+    fixed_num_draft_tokens: bool = False  # True: exactly num_draft_tokens (benchmarks, tests)
+    proposer: str | None = None  # "draft_model" or "ngram"; None: the server's proposers
     stream: bool = False
     exclude_input_in_output: bool = False
     return_perf_metrics: bool = False
@@ -114,10 +120,12 @@ def parse_request(
     max_context: int,
     max_draft_tokens: int,
     default_end_id: int,
+    proposers: tuple[str, ...] = PROPOSERS,
 ) -> GenerationRequest:
     """Builds a request from input tensors; raises InvalidInput naming the bad field.
 
-    `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids.
+    `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids;
+    `proposers` are the ones this server runs (a request may pick one of them).
     """
     prompt = None
     if "input_ids" in inputs:
@@ -180,6 +188,13 @@ def parse_request(
         raise InvalidInput(
             "num_draft_tokens", f"must be in 0..{max_draft_tokens}, got {num_draft_tokens}"
         )
+    fixed = _scalar(inputs, "fixed_num_draft_tokens", bool, False)
+    if fixed and num_draft_tokens is None:
+        raise InvalidInput("fixed_num_draft_tokens", "needs num_draft_tokens")
+    proposer = _strings(inputs, "proposer")
+    if len(proposer) > 1 or (proposer and proposer[0] not in proposers):
+        allowed, got = ", ".join(proposers), ", ".join(proposer)
+        raise InvalidInput("proposer", f"must be one of {allowed} (this server's), got {got}")
 
     for name, neutral in NEUTRAL_INPUTS.items():
         value = _scalar(inputs, name, float if isinstance(neutral, float) else int, neutral)
@@ -203,6 +218,8 @@ def parse_request(
         end_id=end_id,
         stop_words=_strings(inputs, "stop_words"),
         num_draft_tokens=num_draft_tokens,
+        fixed_num_draft_tokens=fixed,
+        proposer=proposer[0] if proposer else None,
         stream=_scalar(inputs, "stream", bool, False),
         exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, False),
         return_perf_metrics=_scalar(inputs, "return_perf_metrics", bool, False),

@@ -1,10 +1,11 @@
 """The speculate-verify loop with in-flight batching (arXiv 2211.17192, 2302.01318).
 
-One `step()` serves every running sequence: one draft call proposes k tokens per row (k per
-row, 0 rows skip the call), one target call verifies all rows, and each row accepts its own
-prefix. Sequences join at step boundaries while KV slots are free and leave when done; the
-caches of both engines are addressed by the sequence's slot, and a rejected draft token is
-rolled back by a shorter cache length. This module never sees Triton: `Engines` is two calls.
+One `step()` serves every running sequence: each row gets its draft tokens from a proposer
+(the draft model, in one call for all its rows; or prompt lookup, with no model call), one
+target call verifies all rows, and each row accepts its own prefix. Sequences join at step
+boundaries while KV slots are free and leave when done; the caches of both engines are
+addressed by the sequence's slot, and a rejected draft token is rolled back by a shorter
+cache length. This module never sees Triton: `Engines` is two calls.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specdec.controller import AdaptiveController, Choice
+from specdec.controller import AcceptanceWindow, AdaptiveController, Choice
 from specdec.detokenizer import Decode, IncrementalDetokenizer
 from specdec.engine import LOOKBACK_TOKENS, EngineBatch, EngineResult
+from specdec.ngram import DEFAULT_MATCH_LENGTHS, NgramCandidate, NgramIndex, plan_ngram_tokens
 from specdec.rejection import Verdict, rejection_sample, verify_greedy
-from specdec.request import GenerationRequest
+from specdec.request import PROPOSERS, GenerationRequest
 
 
 class Engines(Protocol):
@@ -38,6 +40,17 @@ class SchedulerConfig:
     max_draft_tokens: int  # upper bound on k
     default_draft_tokens: int | None  # k for requests without num_draft_tokens; None: adaptive
     max_queue: int = 1024  # waiting requests beyond this are refused
+    proposers: tuple[str, ...] = PROPOSERS  # those the server runs, in order of preference
+    ngram_match_lengths: tuple[int, ...] = DEFAULT_MATCH_LENGTHS
+
+
+# Prompt lookup's plan must promise this much more goodput than plain decoding: the cost
+# curve and the acceptance estimates are noisy, and a lost bet costs verify time.
+NGRAM_MARGIN = 1.05
+# A row with a match whose lookups have not been verified for this many iterations proposes
+# one token: its acceptance estimate would otherwise never recover from a bad start.
+NGRAM_PROBE_EVERY = 16
+ROW_WINDOW = 16  # a row's own acceptance window: rows differ, and a request is short
 
 
 @dataclass
@@ -59,10 +72,12 @@ class IterationStats:
 
     batch_size: int = 0
     num_waiting: int = 0
-    chosen_k: int = 0  # the adaptive rows' k
+    chosen_k: int = 0  # the adaptive draft-model rows' k
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     emitted_per_row: list[int] = field(default_factory=list)
+    # proposer -> [draft tokens, accepted]
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +91,11 @@ class Sequence:
     target_cache_length: int = 0
     draft_cache_length: int = 0
     num_draft_tokens: int = 0  # k of the current step
+    proposer: str | None = None  # where this step's draft tokens come from
+    ngram_index: NgramIndex = field(default_factory=NgramIndex)
+    ngram_proposal: list[int] = field(default_factory=list)  # this step's lookup
+    ngram_acceptance: AcceptanceWindow | None = None  # this row's, once it used lookup
+    ngram_idle: int = 0  # iterations with a match that was not verified
     stats: SequenceStats = field(default_factory=SequenceStats)
     finish_reason: str | None = None  # "end", "length", "stop", "cancelled", "error"
     cancelled: bool = False
@@ -109,7 +129,8 @@ class SpeculativeScheduler:
         # engine's batched attention reads the slot range it spans).
         self.free_slots = list(range(config.num_slots))
         self._ids = itertools.count()
-        self.controller = AdaptiveController(config.max_draft_tokens)
+        self.controller = AdaptiveController(config.max_draft_tokens)  # the draft model's k
+        self.ngram_acceptance = AcceptanceWindow(config.max_draft_tokens)  # every row's lookups
         self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
         # (start, busy seconds, batch size, k, probe) of the last steady step: its cost is
         # measured from its start to the next step's start, so the glue's work between steps
@@ -129,6 +150,7 @@ class SpeculativeScheduler:
             generator=generator,
             id=next(self._ids),
             token_ids=list(request.prompt_ids),
+            ngram_index=NgramIndex(self.config.ngram_match_lengths),
         )
         self.waiting.append(sequence)
         return sequence
@@ -181,31 +203,107 @@ class SpeculativeScheduler:
         room = self.config.max_context - len(sequence.token_ids)
         return max(0, min(k, self.config.max_draft_tokens, remaining, room))
 
+    def _row_limit(self, sequence: Sequence) -> tuple[int, bool]:
+        """The row's most draft tokens per step, and whether it wants exactly that many: a
+        request's num_draft_tokens caps k (exactly with fixed_num_draft_tokens); without it a
+        numeric server default is exact, and "adaptive" caps at max_draft_tokens."""
+        request = sequence.request
+        if request.num_draft_tokens is not None:
+            return request.num_draft_tokens, request.fixed_num_draft_tokens
+        default = self.config.default_draft_tokens
+        if default is not None:
+            return default, True
+        return self.config.max_draft_tokens, False
+
     def _choose_num_draft_tokens(
         self, batch: list[Sequence]
     ) -> tuple[Choice, bool, Sequence | None]:
-        """Fixed k where the request (or the server default) sets one; the controller's
-        goodput choice for the others. Also says whether every row follows the choice, and
-        which row's draft catches up to probe (see _lookback_probe)."""
-        default = self.config.default_draft_tokens
-        adaptive, fixed_ks = [], []
+        """Each row's proposer and k. Exact k where the request (or the server default) asks
+        for it. Otherwise prompt lookup where its plan pays (it costs no model call), and the
+        draft model's goodput controller for the rest. Also says whether every row followed
+        the controller's choice, and which row's draft catches up to probe (see
+        _lookback_probe)."""
+        draft_rows, lookup_rows, fixed_ks = [], [], []
         for sequence in batch:
-            k = sequence.request.num_draft_tokens
-            k = default if k is None else k
-            if k is None:
-                adaptive.append(sequence)
-            else:
-                sequence.num_draft_tokens = self._cap(sequence, k)
+            sequence.num_draft_tokens, sequence.proposer = 0, None
+            limit, exact = self._row_limit(sequence)
+            proposers = (sequence.request.proposer,) if sequence.request.proposer else None
+            proposers = proposers or self.config.proposers
+            if limit == 0 or not proposers:
+                fixed_ks.append(0)
+            elif exact and proposers[0] == "ngram":
+                self._use_lookup(sequence, limit)
+            elif exact:
+                self._use_draft(sequence, limit)
                 fixed_ks.append(sequence.num_draft_tokens)
-        choice = self.controller.choose(len(adaptive), fixed_ks)
-        for sequence in adaptive:
-            sequence.num_draft_tokens = self._cap(sequence, choice.k)
+            else:
+                if "ngram" in proposers:
+                    lookup_rows.append(sequence)
+                if "draft_model" in proposers:
+                    draft_rows.append(sequence)
+        self._plan_lookup(lookup_rows, len(batch))
+        draft_rows = [s for s in draft_rows if s.proposer is None]
+        choice = self.controller.choose(len(draft_rows), fixed_ks)
+        for sequence in draft_rows:
+            self._use_draft(sequence, min(choice.k, self._row_limit(sequence)[0]))
         lookback_row = None
-        if choice.probe and adaptive:
-            lookback_row = self._lookback_probe(adaptive)
+        if choice.probe and draft_rows:
+            lookback_row = self._lookback_probe(draft_rows)
             if lookback_row is None:
-                adaptive[0].num_draft_tokens = self._cap(adaptive[0], 1)
-        return choice, len(adaptive) == len(batch), lookback_row
+                self._use_draft(draft_rows[0], 1)
+        return choice, len(draft_rows) == len(batch), lookback_row
+
+    def _use_draft(self, sequence: Sequence, k: int) -> None:
+        sequence.num_draft_tokens = self._cap(sequence, k)
+        sequence.proposer = "draft_model" if sequence.num_draft_tokens else None
+
+    def _use_lookup(self, sequence: Sequence, k: int) -> None:
+        sequence.ngram_proposal = sequence.ngram_index.propose(
+            sequence.token_ids, self._cap(sequence, k)
+        )
+        sequence.num_draft_tokens = len(sequence.ngram_proposal)
+        sequence.proposer = "ngram" if sequence.ngram_proposal else None
+
+    def _plan_lookup(self, rows: list[Sequence], batch_size: int) -> None:
+        """Prompt lookup for the rows where it pays: each row's own acceptance (shrunk towards
+        every row's) against the target's measured cost by tokens verified. A row with a
+        match left unverified for NGRAM_PROBE_EVERY iterations tries one token."""
+        candidates = []
+        shared_rates = self.ngram_acceptance.rates()
+        for i, sequence in enumerate(rows):
+            proposal = sequence.ngram_index.propose(
+                sequence.token_ids, self._cap(sequence, self._row_limit(sequence)[0])
+            )
+            sequence.ngram_proposal = proposal
+            if proposal:
+                own = sequence.ngram_acceptance
+                rates = own.rates(shared_rates) if own is not None else shared_rates
+                candidates.append(NgramCandidate(i, len(proposal), rates))
+        if not candidates:
+            return
+        plan = plan_ngram_tokens(
+            candidates, batch_size, self.controller.target_cost.estimate, NGRAM_MARGIN
+        )
+        for candidate in candidates:
+            sequence = rows[candidate.row]
+            k = plan.get(candidate.row, 0)
+            if k == 0:
+                sequence.ngram_idle += 1
+                if sequence.ngram_idle < NGRAM_PROBE_EVERY:
+                    continue
+                k = 1
+            sequence.ngram_idle = 0
+            sequence.ngram_proposal = sequence.ngram_proposal[:k]
+            sequence.num_draft_tokens, sequence.proposer = k, "ngram"
+
+    def _observe_lookup(self, sequence: Sequence, num_accepted: int) -> None:
+        k = sequence.num_draft_tokens
+        if sequence.ngram_acceptance is None:
+            sequence.ngram_acceptance = AcceptanceWindow(
+                self.config.max_draft_tokens, window=ROW_WINDOW
+            )
+        sequence.ngram_acceptance.observe(k, num_accepted)
+        self.ngram_acceptance.observe(k, num_accepted)
 
     def _lookback_probe(self, adaptive: list[Sequence]) -> Sequence | None:
         """A probe that costs no verify: a greedy row's draft catches up on the output tokens
@@ -237,8 +335,11 @@ class SpeculativeScheduler:
         step_start = time.perf_counter()
         self._close_timed_step(step_start)
         choice, all_adaptive, lookback_row = self._choose_num_draft_tokens(batch)
-        drafting = [s for s in batch if s.num_draft_tokens > 0 or s is lookback_row]
+        drafting = [s for s in batch if s.proposer == "draft_model" or s is lookback_row]
         proposals = self._propose(drafting) if drafting else {}
+        for sequence in batch:
+            if sequence.proposer == "ngram":
+                proposals[sequence.id] = (sequence.ngram_proposal, None)  # point masses
         target_batch = self._target_batch(batch, proposals)
         start = time.perf_counter()
         result = self.engines.target(target_batch)
@@ -260,7 +361,14 @@ class SpeculativeScheduler:
                 target_probs = torch.from_numpy(result.probs[probs_row : probs_row + k + 1])
                 probs_row += k + 1
                 verdict = rejection_sample(draft_ids, draft_probs, target_probs, sequence.generator)
-            self.controller.observe_verdict(k, verdict.num_accepted)
+            if sequence.proposer == "ngram":
+                self._observe_lookup(sequence, verdict.num_accepted)
+            else:
+                self.controller.observe_verdict(k, verdict.num_accepted)
+            if sequence.proposer is not None:
+                counts = stats.by_proposer.setdefault(sequence.proposer, [0, 0])
+                counts[0] += k
+                counts[1] += verdict.num_accepted
             before = sequence.num_output_tokens
             updates.append(self._commit(sequence, verdict))
             stats.num_draft_tokens += k

@@ -35,6 +35,7 @@ def start_bystander(url: str, prompt: str, max_tokens: int, model="speculative_d
         model=model,
         max_tokens=max_tokens,
         num_draft_tokens=2,
+        fixed_num_draft_tokens=True,
         exclude_input_in_output=True,
     )
     pool.shutdown(wait=False)  # the request runs on; the pool takes no more

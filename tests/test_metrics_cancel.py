@@ -20,6 +20,7 @@ def test_metrics_count_what_the_loop_did(server):
         url=server.url,
         max_tokens=24,
         num_draft_tokens=3,
+        fixed_num_draft_tokens=True,
         return_perf_metrics=True,
         return_num_output_tokens=True,
     )

@@ -118,7 +118,9 @@ PROMPTS = [
 def greedy_texts(url: str, k: int) -> list[str]:
     from specdec.client import generate
 
-    params = dict(max_tokens=24, num_draft_tokens=k, exclude_input_in_output=True)
+    params = dict(
+        max_tokens=24, num_draft_tokens=k, fixed_num_draft_tokens=True, exclude_input_in_output=True
+    )
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(lambda p: generate(p, url=url, **params), PROMPTS))
     assert all(r.error is None for r in results), [r.error for r in results]

@@ -69,6 +69,12 @@ def test_defaults():
         ("bad_words", {**GOOD, "bad_words": text("no")}),
         ("stop_words", {**GOOD, "stop_words": np.array([[b"a"], [b"b"]], dtype=np.object_)}),
         ("stream", {**GOOD, "stream": i32(1)}),
+        ("proposer", {**GOOD, "proposer": text("medusa")}),
+        (
+            "proposer",
+            {**GOOD, "proposer": np.array([[b"ngram", b"draft_model"]], dtype=np.object_)},
+        ),
+        ("fixed_num_draft_tokens", {**GOOD, "fixed_num_draft_tokens": np.array([[True]])}),
     ],
 )
 def test_bad_input_names_its_field(field, inputs):
@@ -104,3 +110,18 @@ def test_input_ids_take_precedence_over_text():
     request = parse(**GOOD, input_ids=np.array([[5, 6, 7]], dtype=np.int32))
     assert request.prompt_ids == [5, 6, 7]
     assert request.prompt == "hello"
+
+
+def test_proposer_is_one_of_the_servers():
+    request = parse(**GOOD, proposer=text("ngram"), num_draft_tokens=i32(4))
+    assert request.proposer == "ngram" and request.num_draft_tokens == 4
+    assert not request.fixed_num_draft_tokens
+    with pytest.raises(InvalidInput, match="proposer: must be one of draft_model"):
+        parse_request(
+            {**GOOD, "proposer": text("ngram")},
+            tokenize,
+            max_context=16,
+            max_draft_tokens=8,
+            default_end_id=2,
+            proposers=("draft_model",),
+        )

@@ -76,6 +76,7 @@ def bad_inputs(tokenizer) -> list[tuple[str, dict]]:
             "num_draft_tokens",
             {**GOOD, "num_draft_tokens": scalar(MAX_DRAFT_TOKENS + 1, np.int32)},
         ),
+        ("proposer", {**GOOD, "proposer": scalar(b"eagle", np.object_)}),
         ("stop_words", {**GOOD, "stop_words": np.array([[[b"a"]]], dtype=np.object_)}),
         ("stop_words", {**GOOD, "stop_words": np.array([[1, 2]], dtype=np.int32)}),
     ]

@@ -60,7 +60,7 @@ def test_requests_join_and_leave_at_step_boundaries():
 def test_each_request_keeps_its_own_k():
     scheduler, engines = make_scheduler(k=4)
     plain = scheduler.submit(request([5], 12, num_draft_tokens=0))
-    spec = scheduler.submit(request([6], 12, num_draft_tokens=2))
+    spec = scheduler.submit(request([6], 12, num_draft_tokens=2, fixed_num_draft_tokens=True))
     run_all(scheduler)
     assert plain.stats.num_draft_tokens == 0
     assert plain.stats.num_target_passes == 12
@@ -73,7 +73,9 @@ def test_end_token_stops_and_is_not_emitted():
     end_id = expected[10]
     first_end = expected.index(end_id)
     scheduler, _ = make_scheduler()
-    s = scheduler.submit(request([4, 4], 30, end_id=end_id, num_draft_tokens=3))
+    s = scheduler.submit(
+        request([4, 4], 30, end_id=end_id, num_draft_tokens=3, fixed_num_draft_tokens=True)
+    )
     run_all(scheduler)
     assert s.finish_reason == "end"
     assert s.token_ids[2:] == expected[:first_end]
@@ -145,7 +147,7 @@ def test_rows_with_their_own_k_are_not_booked_as_the_adaptive_cost():
     # iterations must not be measured as what k = 0 costs (they cost a k = 4 iteration).
     scheduler, _ = make_scheduler(k=None)
     for i in range(2):
-        scheduler.submit(request([i + 1], 30, num_draft_tokens=4))
+        scheduler.submit(request([i + 1], 30, num_draft_tokens=4, fixed_num_draft_tokens=True))
     run_all(scheduler)
     assert scheduler.controller.iteration_cost == {}
     scheduler.submit(request([9], 30))  # adaptive: its iterations are measured

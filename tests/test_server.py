@@ -42,7 +42,12 @@ def run_concurrently(url, model, jobs):
 
 @pytest.mark.parametrize("k", [0, 1, 4, 8])
 def test_greedy_equals_transformers_generate(server, references, k):
-    params = dict(max_tokens=NUM_TOKENS, num_draft_tokens=k, exclude_input_in_output=True)
+    params = dict(
+        max_tokens=NUM_TOKENS,
+        num_draft_tokens=k,
+        fixed_num_draft_tokens=True,
+        exclude_input_in_output=True,
+    )
     results = run_concurrently(server.url, "ensemble", [(p, params) for p in PROMPTS])
     for prompt, result, expected in zip(PROMPTS, results, references, strict=True):
         assert result.error is None, result.error
@@ -67,7 +72,12 @@ def test_sixteen_concurrent_requests_give_their_solo_text(server):
 @pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
 def test_streamed_chunks_join_to_the_non_streamed_text(server, model):
     prompt = PROMPTS[2]
-    common = dict(max_tokens=40, num_draft_tokens=3, exclude_input_in_output=True)
+    common = dict(
+        max_tokens=40,
+        num_draft_tokens=3,
+        fixed_num_draft_tokens=True,
+        exclude_input_in_output=True,
+    )
     streamed = generate(prompt, url=server.url, model=model, stream=True, **common)
     whole = generate(prompt, url=server.url, model=model, stream=False, **common)
     assert streamed.error is None and whole.error is None
@@ -91,6 +101,7 @@ def test_self_draft_accepts_everything(self_draft_server, k):
         url=self_draft_server.url,
         max_tokens=num_passes * (k + 1),
         num_draft_tokens=k,
+        fixed_num_draft_tokens=True,
         end_id=-1,
         return_perf_metrics=True,
         return_num_output_tokens=True,
@@ -109,6 +120,7 @@ def test_perf_metrics_cover_the_whole_request(server):
         url=server.url,
         max_tokens=30,
         num_draft_tokens=4,
+        fixed_num_draft_tokens=True,
         stream=True,
         return_perf_metrics=True,
     )
@@ -122,7 +134,12 @@ def test_perf_metrics_cover_the_whole_request(server):
 
 def test_seeded_sampling_is_reproducible(server):
     params = dict(
-        max_tokens=32, temperature=0.9, top_p=0.95, num_draft_tokens=3, exclude_input_in_output=True
+        max_tokens=32,
+        temperature=0.9,
+        top_p=0.95,
+        num_draft_tokens=3,
+        fixed_num_draft_tokens=True,
+        exclude_input_in_output=True,
     )
     first = generate(PROMPTS[3], url=server.url, seed=1234, **params)
     again = generate(PROMPTS[3], url=server.url, seed=1234, **params)
@@ -144,7 +161,10 @@ def test_model_control_is_refused(server):
 
 def test_overload_is_refused_at_once_and_queued_requests_complete(self_draft_server):
     # 8 slots and a queue of 4: of 20 requests sent at once, 8 run, 4 wait, 8 are refused.
-    jobs = [(f"Count to {i}:", dict(max_tokens=24, num_draft_tokens=2)) for i in range(20)]
+    jobs = [
+        (f"Count to {i}:", dict(max_tokens=24, num_draft_tokens=2, fixed_num_draft_tokens=True))
+        for i in range(20)
+    ]
     results = run_concurrently(self_draft_server.url, "speculative_decoding", jobs)
     refused = [r for r in results if r.error is not None]
     served = [r for r in results if r.error is None]

@@ -16,7 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec.engine import EngineBatch, EngineResult
-from specdec.request import InvalidInput, parse_request
+from specdec.request import PROPOSERS, InvalidInput, parse_request
 from specdec.scheduler import QueueFull, SchedulerConfig, Sequence, SpeculativeScheduler, Update
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
@@ -62,6 +62,15 @@ def parse_default_k(value: str) -> int | None:
     return None if value.strip().lower() == "adaptive" else int(value)
 
 
+def parse_proposers(value: str) -> tuple[str, ...]:
+    """The proposers parameter: comma-separated names from PROPOSERS ("" = no speculation)."""
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    unknown = [name for name in names if name not in PROPOSERS]
+    if unknown:
+        raise ValueError(f"proposers: unknown {unknown}; expected names from {PROPOSERS}")
+    return names
+
+
 def _tensor(name: str, value, dtype) -> pb_utils.Tensor:
     return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))  # (1, 1): batch of one
 
@@ -78,6 +87,7 @@ class TritonPythonModel:
             max_draft_tokens=int(params["max_num_draft_tokens"]),
             default_draft_tokens=parse_default_k(params["default_num_draft_tokens"]),
             max_queue=int(params.get("max_queue", 1024)),
+            proposers=parse_proposers(params.get("proposers", ",".join(PROPOSERS))),
         )
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
@@ -103,6 +113,7 @@ class TritonPythonModel:
                     max_context=self.config.max_context,
                     max_draft_tokens=self.config.max_draft_tokens,
                     default_end_id=self.tokenizer.eos_token_id,
+                    proposers=self.config.proposers,
                 )
                 with self.lock:
                     if self.stopping:

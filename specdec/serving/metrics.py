@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from specdec.request import PROPOSERS
 from specdec.scheduler import IterationStats
 
 OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
@@ -37,6 +38,21 @@ class LoopMetrics:
         self.emitted_tokens = family(
             "specdec_emitted_tokens_total", "Output tokens emitted", counter
         ).Metric(labels=labels)
+        by_proposer = family(
+            "specdec_proposer_draft_tokens_total", "Draft tokens proposed, by proposer", counter
+        )
+        accepted_by_proposer = family(
+            "specdec_proposer_accepted_draft_tokens_total",
+            "Draft tokens accepted by the target, by proposer",
+            counter,
+        )
+        self.proposer_tokens = {
+            name: (
+                by_proposer.Metric(labels={**labels, "proposer": name}),
+                accepted_by_proposer.Metric(labels={**labels, "proposer": name}),
+            )
+            for name in PROPOSERS
+        }
         requests = family("specdec_requests_total", "Finished requests by outcome", counter)
         self.requests = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
         self.batch_size = family(
@@ -67,6 +83,9 @@ class LoopMetrics:
         for emitted in stats.emitted_per_row:
             self.tokens_per_pass.observe(emitted)
         self.current_k.set(stats.chosen_k)
+        for name, (proposed, accepted) in stats.by_proposer.items():
+            self.proposer_tokens[name][0].increment(proposed)
+            self.proposer_tokens[name][1].increment(accepted)
 
     def update_occupancy(self, num_running: int, num_waiting: int, free_slots: int) -> None:
         """After every step, also one that ran nothing (the last streams were cancelled)."""

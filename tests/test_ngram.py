@@ -1,0 +1,177 @@
+"""Prompt lookup (specdec/ngram.py) and its use by the loop, with scripted engines."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import fakes
+from fakes import FakeEngines, fake_decode
+from specdec.ngram import NgramCandidate, NgramIndex, plan_ngram_tokens
+from specdec.request import GenerationRequest
+from specdec.scheduler import SchedulerConfig, SpeculativeScheduler
+
+
+def brute_force(tokens: list[int], max_tokens: int, lengths=(3, 2, 1)) -> list[int]:
+    for n in lengths:
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):  # latest occurrence with a follower
+            if tokens[end - n : end] == suffix:
+                return tokens[end : end + max_tokens]
+    return []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_tokens", "expected"),
+    [
+        ([1, 2, 3, 4, 5, 1, 2, 3], 3, [4, 5, 1]),  # 3-gram match
+        ([1, 2, 3, 4, 9, 2, 3], 4, [4, 9, 2, 3]),  # 2-gram: the 3-gram (9, 2, 3) is new
+        ([5, 6, 7, 5, 8, 5], 2, [8, 5]),  # the latest of two 1-gram matches
+        ([1, 2, 3], 4, []),  # nothing repeats
+        ([1, 2, 1, 2], 0, []),
+        ([4, 4, 4, 4], 8, [4]),  # only one token follows the latest match
+    ],
+)
+def test_propose_takes_the_longest_latest_match(tokens, max_tokens, expected):
+    assert NgramIndex().propose(tokens, max_tokens) == expected
+
+
+def test_incremental_index_agrees_with_a_scan():
+    rng = random.Random(3)
+    for _ in range(20):
+        index, tokens = NgramIndex(), [rng.randrange(6) for _ in range(3)]
+        for _ in range(60):
+            assert index.propose(tokens, 5) == brute_force(tokens, 5)
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def flat_cost(per_token: float):
+    """A verify that costs 1 for the batch plus `per_token` per extra token."""
+    return lambda tokens: 1.0 + per_token * tokens
+
+
+def test_plan_takes_cheap_likely_tokens_and_stops_where_goodput_falls():
+    sure = NgramCandidate(row=0, max_tokens=8, rates=[0.9] * 8)
+    unlikely = NgramCandidate(row=1, max_tokens=8, rates=[0.05] * 8)
+    plan = plan_ngram_tokens([sure, unlikely], 2, flat_cost(0.02), margin=1.05)
+    assert plan.get(0, 0) >= 6
+    assert 1 not in plan
+    # Verify too dear: nothing pays.
+    assert plan_ngram_tokens([sure], 2, flat_cost(2.0), margin=1.05) == {}
+
+
+def test_plan_needs_the_margin():
+    # One token at 50%: 1.5 tokens for 1.1 of cost is 1.36x plain; not if the margin is 1.4.
+    candidate = NgramCandidate(row=0, max_tokens=1, rates=[0.5])
+    cost = {1: 1.0, 2: 1.1}.get
+    assert plan_ngram_tokens([candidate], 1, cost, margin=1.3) == {0: 1}
+    assert plan_ngram_tokens([candidate], 1, cost, margin=1.4) == {}
+
+
+def copying_oracle(tokens: list[int]) -> int:
+    """A target that repeats the last 7 tokens: its output copies its prompt."""
+    return tokens[-7] if len(tokens) >= 7 else (tokens[-1] + 1) % fakes.VOCAB
+
+
+def repeat(prompt: list[int], num_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append(copying_oracle(tokens))
+    return tokens[len(prompt) :]
+
+
+def make_scheduler(default_k=None, proposers=("draft_model", "ngram")):
+    config = SchedulerConfig(
+        4, 256, max_draft_tokens=8, default_draft_tokens=default_k, proposers=proposers
+    )
+    engines = FakeEngines(4)
+    return SpeculativeScheduler(engines, config, fake_decode), engines
+
+
+def run_all(scheduler, limit=2_000):
+    for _ in range(limit):
+        if not scheduler.has_work:
+            return
+        scheduler.step()
+    raise AssertionError("loop did not finish")
+
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+def test_lookup_drafts_copied_text_without_the_draft_model(monkeypatch):
+    monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
+    scheduler, engines = make_scheduler()
+    request = GenerationRequest(None, PROMPT, 60, end_id=-1, proposer="ngram")
+    sequence = scheduler.submit(request)
+    run_all(scheduler)
+    assert sequence.token_ids[len(PROMPT) :] == repeat(PROMPT, 60)
+    assert not any(role == "draft" for role, _ in engines.calls)
+    # A perfect copy: after the cost curve is known, most tokens come from lookups.
+    assert sequence.stats.num_accepted_draft_tokens >= 30
+    assert sequence.stats.num_target_passes < 30
+
+
+def test_exact_lookup_k_and_greedy_exactness_on_text_that_does_not_copy():
+    # The default oracle rarely repeats: lookups are mostly rejected, output stays exact.
+    scheduler, _ = make_scheduler()
+    sequences = [
+        scheduler.submit(
+            GenerationRequest(
+                None,
+                [i + 1, 2 * i + 3],
+                40,
+                end_id=-1,
+                proposer="ngram",
+                num_draft_tokens=4,
+                fixed_num_draft_tokens=True,
+            )
+        )
+        for i in range(3)
+    ]
+    run_all(scheduler)
+    for i, sequence in enumerate(sequences):
+        assert sequence.token_ids[2:] == fakes.oracle_continuation([i + 1, 2 * i + 3], 40)
+        assert sequence.stats.num_draft_tokens > 0  # it did propose where it matched
+
+
+def test_rows_choose_their_own_proposer(monkeypatch):
+    # A copying row uses lookups; a row restricted to the draft model never does.
+    monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
+    scheduler, _ = make_scheduler()
+    copier = scheduler.submit(GenerationRequest(None, PROMPT, 60, end_id=-1))
+    drafted = scheduler.submit(
+        GenerationRequest(
+            None, [1, 2, 3, 4, 5, 6, 7], 60, end_id=-1, proposer="draft_model", num_draft_tokens=2
+        )
+    )
+    seen = {copier.id: set(), drafted.id: set()}
+    while scheduler.has_work:
+        scheduler.step()
+        for s in (copier, drafted):
+            seen[s.id].add(s.proposer)
+    assert "ngram" in seen[copier.id]
+    assert "ngram" not in seen[drafted.id]
+    assert copier.token_ids[len(PROMPT) :] == repeat(PROMPT, 60)
+    assert drafted.token_ids[7:] == repeat([1, 2, 3, 4, 5, 6, 7], 60)
+
+
+def test_num_draft_tokens_caps_the_lookup():
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    scheduler, _ = make_scheduler()
+    sequence = scheduler.submit(GenerationRequest(None, prompt, 30, end_id=-1, num_draft_tokens=2))
+    while scheduler.has_work:
+        scheduler.step()
+        assert sequence.num_draft_tokens <= 2
+
+
+def test_zero_draft_tokens_turns_speculation_off(monkeypatch):
+    monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
+    scheduler, engines = make_scheduler()
+    sequence = scheduler.submit(GenerationRequest(None, PROMPT, 30, end_id=-1, num_draft_tokens=0))
+    run_all(scheduler)
+    assert sequence.stats.num_draft_tokens == 0
+    assert not any(role == "draft" for role, _ in engines.calls)
