@@ -6,6 +6,10 @@ after them. Rolling back rejected draft tokens is only a shorter cache length ne
 
 Calls are packed: the new tokens of every row are concatenated into one (N,) tensor, so the
 linear layers (where the time goes on CPU) see one matrix, and only attention runs per row.
+
+Precision (`dtype`): the matrices, the attention and the KV cache compute in float32,
+bfloat16 or float16 (CUDA); the residual stream, the norms and the head stay float32, so
+logits are not rounded to bfloat16's coarse steps, where the top two would often tie.
 """
 
 from __future__ import annotations
@@ -141,6 +145,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 HEAD_TOKEN_IDS = "draft.head_token_ids"  # optional weight: (head size,) token ids
 MAX_BATCHED_QUERY = 16  # rows with more new tokens than this attend one by one
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -170,53 +175,86 @@ class LlamaEngine:
         num_slots: int,
         max_length: int,
         device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        """dtype: what the matrices, the attention and the KV cache compute in (float32,
+        bfloat16; float16 on CUDA only). The residual stream, the norms and the head stay
+        float32 in every dtype (see forward)."""
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype {dtype}: expected one of {COMPUTE_DTYPES}")
+        if dtype == torch.float16 and torch.device(device).type == "cpu":
+            raise ValueError("float16 runs on CUDA only; on the CPU use bfloat16 or float32")
         self.config = config
         self.num_slots = num_slots
         self.max_length = max_length
         self.device = torch.device(device)
-        w = {k: v.to(self.device) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.dtype = dtype
+
+        def matrix(name: str) -> torch.Tensor:
+            return weights[name].to(self.device, dtype)
+
+        def vector(name: str) -> torch.Tensor:  # norm weights: float32 as the norms are
+            return weights[name].to(self.device, torch.float32)
+
+        # The head stays float32: bfloat16 logits step by 0.125 near 20, so the top two
+        # would often tie exactly and a verify and a one-token step would break the tie
+        # differently. A tied table is read by the embedding too (one copy, no cost: the
+        # lookup reads one row per token).
+        head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = vector(head_name)
+        if config.tie_word_embeddings:
+            self.embed = self.lm_head
+        else:
+            self.embed = matrix("model.embed_tokens.weight")
         # A draft may score only a subset of the vocabulary (its head's rows are these token
         # ids); every other token gets probability 0, which keeps sampling exact.
-        self.head_token_ids = w.get(HEAD_TOKEN_IDS)
+        self.head_token_ids = weights.get(HEAD_TOKEN_IDS)
         if self.head_token_ids is not None:
-            self.head_token_ids = self.head_token_ids.long()
-        self.final_norm = w["model.norm.weight"]
-        self.layers = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            qkv = [w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-            biases = [w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            self.layers.append(
-                {
-                    "qkv": torch.cat(qkv, 0),  # one matmul for q, k and v
-                    "qkv_bias": torch.cat(biases, 0) if biases[0] is not None else None,
-                    "o": w[p + "self_attn.o_proj.weight"],
-                    "gate_up": torch.cat(
-                        [w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0
-                    ),
-                    "down": w[p + "mlp.down_proj.weight"],
-                    "attn_norm": w[p + "input_layernorm.weight"],
-                    "mlp_norm": w[p + "post_attention_layernorm.weight"],
-                }
-            )
+            self.head_token_ids = self.head_token_ids.to(self.device).long()
+        self.final_norm = vector("model.norm.weight")
+        self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
         c = config
         shape = (c.num_layers, num_slots, c.num_kv_heads, max_length, c.head_dim)
-        self.k_cache = zeroed_cache(shape, self.embed.dtype, self.device)
-        self.v_cache = zeroed_cache(shape, self.embed.dtype, self.device)
+        self.k_cache = zeroed_cache(shape, dtype, self.device)
+        self.v_cache = zeroed_cache(shape, dtype, self.device)
         self.inv_freq = rope_inv_freq(c).to(self.device)
 
+    def _layer(self, weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+        """Layer i's matrices in the compute dtype (q, k, v as one; gate, up as one)."""
+        p = f"model.layers.{i}."
+
+        def joined(names: list[str]) -> torch.Tensor:
+            return torch.cat([weights[p + n] for n in names], 0).to(self.device, self.dtype)
+
+        has_bias = p + "self_attn.q_proj.bias" in weights
+        return {
+            "qkv": joined([f"self_attn.{n}_proj.weight" for n in "qkv"]),  # one matmul
+            "qkv_bias": joined([f"self_attn.{n}_proj.bias" for n in "qkv"]) if has_bias else None,
+            "o": weights[p + "self_attn.o_proj.weight"].to(self.device, self.dtype),
+            "gate_up": joined(["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+            "down": weights[p + "mlp.down_proj.weight"].to(self.device, self.dtype),
+            "attn_norm": weights[p + "input_layernorm.weight"].to(self.device, torch.float32),
+            "mlp_norm": weights[p + "post_attention_layernorm.weight"].to(
+                self.device, torch.float32
+            ),
+        }
+
     @classmethod
-    def from_checkpoint(cls, path: str | Path, num_slots: int, max_length: int, device="cpu"):
-        config, weights = load_hf_checkpoint(path)
-        return cls(config, weights, num_slots, max_length, device)
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        num_slots: int,
+        max_length: int,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> LlamaEngine:
+        config, weights = load_hf_checkpoint(path)  # float32: the head and norms stay so
+        return cls(config, weights, num_slots, max_length, device, dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (N, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.embed.dtype
+        dtype = self.dtype  # q and k's
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # (N, 1, hd)
 
     def _row_attention(self, li, q, attn, slot, cache_length, start, end) -> None:
@@ -327,12 +365,15 @@ class LlamaEngine:
             starts.append(starts[-1] + length)
 
         plan = self._plan_attention(input_lengths, slot_ids, cache_lengths, starts)
-        x = F.embedding(input_ids.to(self.device), self.embed)  # (N, H)
+        # The residual stream x and the norms stay float32 in every dtype: the matrices read
+        # their input in the compute dtype and their outputs are added back in float32.
+        dtype = self.dtype
+        x = F.embedding(input_ids.to(self.device), self.embed).float()  # (N, H)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # (N, q + 2 kv)
+            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps).to(dtype)
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # (N, q + 2 kv), compute dtype
             q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(n, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].view(n, c.num_kv_heads, c.head_dim)
@@ -347,16 +388,17 @@ class LlamaEngine:
                 self._row_attention(
                     li, q, attn, slot_ids[row], cache_lengths[row], starts[row], starts[row + 1]
                 )
-            x = x + F.linear(attn.reshape(n, q_size), layer["o"])
-            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+            x = x + F.linear(attn.reshape(n, q_size), layer["o"]).float()
+            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps).to(dtype)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = x + F.linear(F.silu(gate) * up, layer["down"]).float()
 
         picks = torch.cat(
             [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
         ).to(self.device)
-        h = rms_norm(x[picks], self.final_norm, c.rms_norm_eps)
-        logits = F.linear(h, self.lm_head).float()  # (sum(num_logits), V or head size)
+        h = rms_norm(x[picks], self.final_norm, c.rms_norm_eps)  # float32, as the head
+        # (sum(num_logits), V or head size); the head is float32 (see __init__)
+        logits = F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
         if self.head_token_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], c.vocab_size), float("-inf"))
