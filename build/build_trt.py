@@ -1,10 +1,11 @@
 """Compiles the exported graph of checkpoints into TensorRT plans (GPU, TensorRT installed).
 
     python -m build.build_trt models/smollm2-135m-instruct models/smollm2-135m-draft \
-        --num-slots 64 --max-context 2048 --dtype float16
+        --num-slots 64 --max-context 2048 --dtype auto
     python -m build.build_trt CHECKPOINT --print-profiles   # the profiles only (no GPU)
 
-Each checkpoint's graph is exported in --dtype (float16 or bfloat16) into <plan folder>/onnx,
+Each checkpoint's graph is exported in --dtype (float16, bfloat16, or auto: bfloat16 where
+the GPU has it, as the server's DTYPE=auto picks; specdec/engines.py) into <plan folder>/onnx,
 then built strongly typed with optimization profiles for --num-slots sequences of
 --max-context positions (specdec/trt_engine.py: optimization_profiles). Plans go to
 .run/engines/<checkpoint folder name>/tensorrt-<dtype>, where the tensorrt engine looks for
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from build.export_onnx import hf_directory
+from specdec.engines import DTYPES, engine_dtype
 from specdec.trt_engine import default_plan_dir, ensure_plan, optimization_profiles
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +78,8 @@ def main() -> None:
     parser.add_argument("checkpoints", nargs="+", type=Path, help="HF directories or .gguf")
     parser.add_argument("--out", type=Path, help="plan folder (one checkpoint only)")
     parser.add_argument("--engines-root", type=Path, default=PROJECT_ROOT / ".run" / "engines")
-    parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    # DTYPES: float32 too, so that it is refused with the reason (and the alternative)
+    parser.add_argument("--dtype", choices=DTYPES, default="float16")
     parser.add_argument("--num-slots", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--print-profiles", action="store_true")
@@ -86,7 +89,7 @@ def main() -> None:
             checkpoints=args.checkpoints,
             out=args.out,
             engines_root=args.engines_root,
-            dtype=args.dtype,
+            dtype=engine_dtype("tensorrt", args.dtype),
             num_slots=args.num_slots,
             max_context=args.max_context,
             print_profiles=args.print_profiles,
