@@ -9,7 +9,11 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 ENGINE ?= torch
-export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE
+# The engines' precision (specdec/engines.py): auto = bfloat16 where the CPU (avx512_bf16,
+# amx_bf16) or GPU has it. Test servers ignore it: ManagedServer takes its settings from a
+# dict, and the committed configs say float32 (the exactness tests need it).
+DTYPE ?= auto
+export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE DTYPE
 
 .PHONY: venv models serve engines test test-unit lint format client draft bench bench-draft loadtest soak clean
 .DEFAULT_GOAL := serve
@@ -35,7 +39,8 @@ serve: models
 
 # The draft's and the target's ONNX graphs for ENGINE=onnxruntime, under .run/engines (the
 # server also exports them on demand); with ENGINE=tensorrt (GPU, TensorRT installed) also
-# their float16 plans for NUM_SLOTS x MAX_CONTEXT. TARGET_CHECKPOINT / DRAFT_CHECKPOINT pick
+# their plans in DTYPE (auto: bfloat16 where the GPU has it, else float16) for NUM_SLOTS x
+# MAX_CONTEXT, the dtype the server then asks for. TARGET_CHECKPOINT / DRAFT_CHECKPOINT pick
 # other checkpoints (HF directories or .gguf files).
 engines: models
 	$(PY) -m build.export_onnx $${TARGET_CHECKPOINT:-$(MODELS)/smollm2-135m-instruct} \
@@ -43,7 +48,7 @@ engines: models
 	if [ "$(ENGINE)" = tensorrt ]; then $(PY) -m build.build_trt \
 		$${TARGET_CHECKPOINT:-$(MODELS)/smollm2-135m-instruct} \
 		$${DRAFT_CHECKPOINT:-$(MODELS)/smollm2-135m-draft} \
-		--num-slots $${NUM_SLOTS:-64} --max-context $${MAX_CONTEXT:-2048}; fi
+		--num-slots $${NUM_SLOTS:-64} --max-context $${MAX_CONTEXT:-2048} --dtype $(DTYPE); fi
 
 test: models
 	$(PY) -m ruff check .

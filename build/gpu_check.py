@@ -165,7 +165,9 @@ def tensorrt_step(config: GpuCheckConfig, prompts, reference) -> dict:
         plan = default_plan_dir(checkpoint, default_engines_root())
         ensure_plan(checkpoint, plan, config.num_slots, config.max_context)
         builds[checkpoint.name] = {"plan": str(plan), "seconds": round(time.time() - started, 1)}
-    result = serve("gpu-check-tensorrt", {"ENGINE": "tensorrt"}, config, prompts, ("k0", "k4"))
+    # DTYPE: the plans just built (the committed configs say float32, which tensorrt refuses)
+    env = {"ENGINE": "tensorrt", "DTYPE": "float16"}
+    result = serve("gpu-check-tensorrt", env, config, prompts, ("k0", "k4"))
     result["k0_vs_cpu"] = agreement(reference, result["k0"]["texts"])
     result["k4_vs_k0"] = agreement(result["k0"]["texts"], result["k4"]["texts"])
     return {"builds": builds, **result}

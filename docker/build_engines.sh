@@ -4,7 +4,8 @@
 # With the default pair (TARGET_CHECKPOINT unset) it first prepares models/ as `make models`
 # does (SmolLM2-135M-Instruct from its GGUF, the committed draft). Then, by ENGINE:
 # onnxruntime exports both checkpoints to ONNX (.run/engines/<name>/onnx-float32); tensorrt
-# compiles float16 plans for NUM_SLOTS x MAX_CONTEXT (.run/engines/<name>/tensorrt-float16);
+# compiles plans in DTYPE (auto: bfloat16 where the GPU has it, else float16) for NUM_SLOTS x
+# MAX_CONTEXT (.run/engines/<name>/tensorrt-<dtype>), the dtype the server asks for;
 # torch reads the checkpoints as they are.
 # Existing, current engines are kept, so a second `docker compose up` starts at once.
 set -euo pipefail
@@ -23,6 +24,6 @@ done
 case "${ENGINE:-torch}" in
   onnxruntime) python3 -m build.export_onnx "$TARGET" "$DRAFT" ;;
   tensorrt) python3 -m build.build_trt "$TARGET" "$DRAFT" \
-    --num-slots "${NUM_SLOTS:-64}" --max-context "${MAX_CONTEXT:-2048}" ;;
+    --num-slots "${NUM_SLOTS:-64}" --max-context "${MAX_CONTEXT:-2048}" --dtype "${DTYPE:-auto}" ;;
   *) echo "engine ${ENGINE:-torch}: reads the checkpoints directly, nothing to build" ;;
 esac

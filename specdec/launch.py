@@ -4,7 +4,8 @@
     python -m specdec.launch --exit-when-unready   # containers: exit 1 when a stub died
 
 Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
-onnxruntime or tensorrt; specdec/engines.py), DEVICE (torch engine: cpu or cuda),
+onnxruntime or tensorrt; specdec/engines.py), DEVICE (torch engine: cpu or cuda), DTYPE
+(the engines' precision: float32, bfloat16, float16 or auto; unset: the committed float32),
 DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
 .run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
 DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RUN_DIR (.run). The
@@ -62,6 +63,7 @@ class ServerConfig:
         engine_keys = {
             "ENGINE": ("engine", ENGINE_MODELS),  # torch, onnxruntime, tensorrt
             "DEVICE": ("device", ENGINE_MODELS),  # the torch engine's: cpu, cuda
+            "DTYPE": ("dtype", ENGINE_MODELS),  # float32, bfloat16, float16, auto
             "DRAFT_ENGINE_DIR": ("engine_dir", ("draft_model",)),
             "TARGET_ENGINE_DIR": ("engine_dir", ("target_model",)),
         }

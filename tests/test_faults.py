@@ -19,7 +19,8 @@ from specdec.launch import PROJECT_ROOT, ManagedServer, descendant_pids, process
 
 pytestmark = pytest.mark.server
 
-SMALL = {"NUM_SLOTS": "8", "MAX_CONTEXT": "512"}
+# DTYPE: the supervised server reads os.environ too, where `make` exports DTYPE=auto.
+SMALL = {"NUM_SLOTS": "8", "MAX_CONTEXT": "512", "DTYPE": "float32"}
 BLS, ENSEMBLE = "speculative_decoding", "ensemble"
 
 

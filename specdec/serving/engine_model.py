@@ -1,6 +1,7 @@
 """Glue of draft_model and target_model: one engine call per request, no batching by Triton.
 
-The `engine` parameter picks torch, onnxruntime or tensorrt (specdec/engines.py).
+The `engine` parameter picks torch, onnxruntime or tensorrt, `dtype` its precision
+(float32, bfloat16, float16 or auto; specdec/engines.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class TritonPythonModel:
             max_length=int(params["max_context"]),
             device=params.get("device", "cpu"),
             engine_dir=resolve_path(params["engine_dir"]) if params.get("engine_dir") else None,
+            dtype=params.get("dtype", "float32"),
         )
         self.inputs = input_names(args)
 
