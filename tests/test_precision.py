@@ -1,0 +1,160 @@
+"""Engine precision (DTYPE): which dtype each engine computes in, and the torch engine in
+bfloat16 against itself in float32. No server: the bfloat16 contract through the server is
+tests/test_bfloat16_server.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DRAFT
+from specdec.engines import create_engine, engine_dtype, resolve_dtype
+from specdec.launch import ENGINE_MODELS, ServerConfig, render_repository
+from specdec.llama import LlamaEngine
+
+CPU_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+CPU_WITH_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_tile amx_bf16 amx_int8\n"
+CPU_WITHOUT = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
+# A flag's name elsewhere in the text is not a flag.
+CPU_NAME_ONLY = "model name\t: avx512_bf16 lookalike\nflags\t\t: fpu avx2\n"
+
+
+def resolve_on(cpuinfo: str, requested: str = "auto", device: str = "cpu") -> str:
+    return resolve_dtype(requested, device, cpuinfo=lambda: cpuinfo, cuda_bf16=lambda: False)
+
+
+@pytest.mark.parametrize(
+    "cpuinfo,expected",
+    [
+        (CPU_WITH_BF16, "bfloat16"),
+        (CPU_WITH_AMX, "bfloat16"),
+        (CPU_WITHOUT, "float32"),
+        (CPU_NAME_ONLY, "float32"),
+        ("", "float32"),  # no /proc/cpuinfo
+    ],
+)
+def test_auto_on_the_cpu_follows_its_bfloat16_flags(cpuinfo, expected):
+    assert resolve_on(cpuinfo) == expected
+
+
+def test_auto_on_cuda_prefers_bfloat16_then_float16():
+    for has_bf16, expected in ((True, "bfloat16"), (False, "float16")):
+        chosen = resolve_dtype("auto", "cuda:1", cpuinfo=lambda: "", cuda_bf16=lambda b=has_bf16: b)
+        assert chosen == expected
+
+
+def test_explicit_dtypes_pass_through():
+    assert resolve_on(CPU_WITHOUT, "bfloat16") == "bfloat16"  # asked for: slow, not wrong
+    assert resolve_on(CPU_WITH_BF16, "float32") == "float32"
+    assert resolve_on(CPU_WITHOUT, "float16", device="cuda") == "float16"
+
+
+def test_unknown_dtype_names_the_variable_and_the_choices():
+    with pytest.raises(ValueError, match=r"DTYPE 'fp8'.*float32, bfloat16, float16, auto"):
+        resolve_on(CPU_WITH_BF16, "fp8")
+    with pytest.raises(ValueError, match="DTYPE 'half'"):
+        engine_dtype("onnxruntime", "half")
+
+
+def test_float16_on_the_cpu_is_refused():
+    with pytest.raises(RuntimeError, match="float16 runs on CUDA only"):
+        resolve_on(CPU_WITH_BF16, "float16")
+    with pytest.raises(ValueError, match="CUDA only"):  # refused before reading weights
+        LlamaEngine(None, {}, 1, 8, dtype=torch.float16)
+
+
+def test_onnxruntime_computes_in_float32_only():
+    assert engine_dtype("onnxruntime", "auto", cpuinfo=lambda: CPU_WITH_BF16) == "float32"
+    assert engine_dtype("onnxruntime", "float32") == "float32"
+    for dtype in ("bfloat16", "float16"):
+        with pytest.raises(RuntimeError, match=f"onnxruntime computes in float32.*DTYPE={dtype}"):
+            engine_dtype("onnxruntime", dtype)
+
+
+def test_tensorrt_computes_in_float16_or_bfloat16_only():
+    # The device parameter is the torch engine's: plans always run on the GPU.
+    pick = dict(cpuinfo=lambda: CPU_WITH_BF16, cuda_bf16=lambda: False)
+    assert engine_dtype("tensorrt", "auto", "cpu", **pick) == "float16"
+    assert engine_dtype("tensorrt", "bfloat16", "cpu", **pick) == "bfloat16"
+    with pytest.raises(RuntimeError, match="tensorrt computes in float16 or bfloat16"):
+        engine_dtype("tensorrt", "float32", **pick)
+
+
+def test_create_engine_refuses_before_loading_anything():
+    with pytest.raises(RuntimeError, match="DTYPE=bfloat16 needs ENGINE=torch"):
+        create_engine("onnxruntime", "no-such-checkpoint", 1, 8, dtype="bfloat16")
+    with pytest.raises(ValueError, match="DTYPE 'double'"):
+        create_engine("torch", "no-such-checkpoint", 1, 8, dtype="double")
+
+
+def test_dtype_reaches_both_engine_models_and_defaults_to_float32(tmp_path):
+    def rendered(env: dict[str, str]) -> dict[str, str]:
+        config = ServerConfig.from_env({**env, "RUN_DIR": str(tmp_path)})
+        repository = render_repository(config)
+        return {m: (repository / m / "config.pbtxt").read_text() for m in ENGINE_MODELS}
+
+    line = 'key: "dtype" value: {{ string_value: "{}" }}'
+    for text in rendered({}).values():  # what test servers get: exactness needs float32
+        assert line.format("float32") in text
+    for text in rendered({"DTYPE": "auto"}).values():
+        assert line.format("auto") in text
+
+
+# The real target: bfloat16 against float32.
+
+
+@pytest.fixture(scope="module")
+def engines(target_dir) -> dict[torch.dtype, LlamaEngine]:
+    return {
+        dtype: LlamaEngine.from_checkpoint(target_dir, num_slots=2, max_length=128, dtype=dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+
+
+def test_bfloat16_cache_takes_half_the_memory(engines):
+    float32, bfloat16 = engines[torch.float32], engines[torch.bfloat16]
+    for name in ("k_cache", "v_cache"):
+        full, half = getattr(float32, name), getattr(bfloat16, name)
+        assert half.dtype == torch.bfloat16 and half.shape == full.shape
+        assert half.nbytes * 2 == full.nbytes
+    assert bfloat16.layers[0]["qkv"].dtype == torch.bfloat16
+    assert bfloat16.lm_head.dtype == torch.float32  # logits not rounded to bfloat16 steps
+
+
+def greedy(engine: LlamaEngine, prompt: list[int], num_tokens: int) -> list[int]:
+    logits = engine.forward(torch.tensor(prompt), [len(prompt)], [0], [0], [1])
+    tokens = [int(logits[-1].argmax())]
+    for step in range(num_tokens - 1):
+        logits = engine.forward(torch.tensor(tokens[-1:]), [1], [0], [len(prompt) + step], [1])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens
+
+
+def teacher_forced(engine: LlamaEngine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits after the prompt and after each of tokens[:-1], in one call."""
+    ids = prompt + tokens[:-1]
+    return engine.forward(torch.tensor(ids), [len(ids)], [1], [0], [len(tokens)])
+
+
+def test_bfloat16_agrees_with_float32_on_greedy_tokens(engines, target_dir):
+    from specdec.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(target_dir))
+    prompt = tokenizer.encode(
+        "<|im_start|>user\nName three rivers in Europe and one fact about each.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    tokens = greedy(engines[torch.float32], prompt, 64)
+    logits = teacher_forced(engines[torch.bfloat16], prompt, tokens)
+    assert logits.dtype == torch.float32 and logits.shape == (64, 49152)
+    agree = sum(int(a) == b for a, b in zip(logits.argmax(dim=-1), tokens, strict=True))
+    assert agree >= 0.9 * 64, f"bfloat16 agreed with float32 on {agree} of 64 tokens"
+
+
+def test_reduced_draft_head_works_in_bfloat16():
+    draft = LlamaEngine.from_checkpoint(DRAFT, num_slots=1, max_length=32, dtype=torch.bfloat16)
+    logits = draft.forward(torch.arange(100, 110), [10], [0], [0], [2])
+    assert logits.dtype == torch.float32 and logits.shape == (2, 49152)
+    scored = torch.isfinite(logits[0])
+    assert int(scored.sum()) == draft.head_token_ids.numel()  # the rest: probability 0
+    assert bool(scored[logits.argmax(dim=-1)].all())
