@@ -1,6 +1,11 @@
-"""Speculative against plain decoding, side by side, on one running server.
+"""Speculative against plain decoding, side by side, on one running server, by workload.
 
-    .venv/bin/python loadtest/bench.py --modes k0,k4 --concurrency 1 --max-tokens 128
+    .venv/bin/python loadtest/bench.py --modes k0,ngram --workloads grounded --concurrency 1
+
+Workloads: `chat` (loadtest/prompts.jsonl) and `grounded` (loadtest/prompts_grounded.jsonl:
+answers that copy or rework text given in the prompt). Modes: k0 (no speculation), draft and
+ngram (one proposer alone, k chosen by the server), adaptive (the server's choice of
+proposer and k per row), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
 
 At each concurrency level the modes take turns in two windows each, in mirrored order (k0
 k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so that drift in the
@@ -29,14 +34,20 @@ from report import finish_axes, percentile
 from specdec.client import GenerationResult, StreamingClient, generate, scrape_metrics
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# k0-again is k = 0 under a second name: `--modes k0,k0-again` measures the noise floor.
-MODES: dict[str, int | None] = {
-    "k0": 0,
-    "k2": 2,
-    "k4": 4,
-    "k8": 8,
-    "adaptive": None,
-    "k0-again": 0,
+# A mode's request inputs. k0-again is k = 0 under a second name: the noise floor.
+MODES: dict[str, dict] = {
+    "k0": {"num_draft_tokens": 0},
+    "k2": {"num_draft_tokens": 2, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
+    "k4": {"num_draft_tokens": 4, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
+    "k8": {"num_draft_tokens": 8, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
+    "draft": {"proposer": "draft_model"},
+    "ngram": {"proposer": "ngram"},
+    "adaptive": {},
+    "k0-again": {"num_draft_tokens": 0},
+}
+WORKLOADS = {
+    "chat": PROJECT_ROOT / "loadtest" / "prompts.jsonl",
+    "grounded": PROJECT_ROOT / "loadtest" / "prompts_grounded.jsonl",
 }
 
 
@@ -49,14 +60,18 @@ class BenchConfig:
     url: str | None = None  # None: start a server of our own
     metrics_url: str | None = None  # with url: its metrics endpoint (steady-state tokens/s)
     model: str = "ensemble"
-    prompts: Path = PROJECT_ROOT / "loadtest" / "prompts.jsonl"
+    workloads: list[str] = field(default_factory=lambda: ["chat"])
     out_dir: Path = PROJECT_ROOT / "results"
     name: str = "bench"
     server_env: dict[str, str] = field(default_factory=dict)
+    # Also k = 0 at this many streams on a second server of its own in float32, in windows
+    # alternating with the first server's k = 0 (0: not measured).
+    float32_concurrency: int = 0
 
 
 @dataclass
 class LevelResult:
+    workload: str
     mode: str
     concurrency: int
     num_requests: int
@@ -124,8 +139,16 @@ class StaggeredLoad:
     and where it closed in the requests' common cycle moved a mode's figure (k = 0 against
     itself at 64 streams: 0.88x, against 0.98x staggered; one run each)."""
 
-    def __init__(self, url: str, concurrency: int, prompts: list[str], config: BenchConfig):
+    def __init__(
+        self,
+        url: str,
+        concurrency: int,
+        prompts: list[str],
+        config: BenchConfig,
+        metrics_url: str | None = None,
+    ):
         self.url, self.concurrency, self.prompts, self.config = url, concurrency, prompts, config
+        self.metrics_url = metrics_url
         self.requests: list[Request] = []  # lead-ins left out
         self.windows: list[Window] = []
         self.mode: str | None = None  # None: between windows, no request leaves
@@ -166,7 +189,7 @@ class StaggeredLoad:
                     self.prompts[(index + r * self.concurrency) % len(self.prompts)],
                     max_tokens=max_tokens,
                     stream=True,
-                    num_draft_tokens=MODES[mode],
+                    **MODES[mode],
                     return_perf_metrics=True,
                     return_num_output_tokens=True,
                     exclude_input_in_output=True,
@@ -186,14 +209,14 @@ class StaggeredLoad:
             self.mode = mode
             self.changed.notify_all()
         self._wait(lambda: all(self.first_token))
-        start, counted_before = time.perf_counter(), emitted_tokens(self.config.metrics_url)
+        start, counted_before = time.perf_counter(), emitted_tokens(self.metrics_url)
         time.sleep(seconds)
-        counted = emitted_tokens(self.config.metrics_url) - counted_before
+        counted = emitted_tokens(self.metrics_url) - counted_before
         end = time.perf_counter()
         with self.changed:
             self.mode = None
         self._wait(lambda: not any(self.busy))
-        tokens = counted if self.config.metrics_url is not None else None
+        tokens = counted if self.metrics_url is not None else None
         window = Window(len(self.windows), mode, start, end, tokens)
         self.windows.append(window)
         return window
@@ -209,7 +232,7 @@ class StaggeredLoad:
 
 
 def summarize(
-    mode: str, concurrency: int, windows: list[Window], requests: list[Request]
+    workload: str, mode: str, concurrency: int, windows: list[Window], requests: list[Request]
 ) -> LevelResult:
     """One mode at one level: its windows' tokens/s, and their requests."""
     indices = {w.index for w in windows}
@@ -231,6 +254,7 @@ def summarize(
     latencies = [r.elapsed for r in ok]
     ttfts = [r.time_to_first_token for r in ok if r.time_to_first_token is not None]
     return LevelResult(
+        workload=workload,
         mode=mode,
         concurrency=concurrency,
         num_requests=len(mine),
@@ -260,19 +284,32 @@ def window_schedule(modes: list[str], level_index: int) -> list[str]:
 
 
 def ratio_table(levels: list[LevelResult], modes: list[str]) -> str:
-    by_key = {(r.mode, r.concurrency): r for r in levels}
-    concurrencies = sorted({r.concurrency for r in levels})
-    header = "| concurrency | " + " | ".join(f"{m} tok/s" for m in modes)
+    """tokens/s per workload, level and mode, and each mode's ratio to k0 of the same level."""
+    by_key = {(r.workload, r.mode, r.concurrency): r for r in levels}
+    header = "| workload | concurrency | " + " | ".join(f"{m} tok/s" for m in modes)
     if "k0" in modes:
         header += " | " + " | ".join(f"{m}/k0" for m in modes if m != "k0")
-    lines = [header + " |", "|" + "---|" * (header.count("|"))]
-    for c in concurrencies:
-        row = [f"{by_key[(m, c)].tokens_per_s:.1f}" for m in modes]
+    lines = [header + " |", "|" + "---|" * (header.count("|") - 1)]
+    for workload, c in sorted({(r.workload, r.concurrency) for r in levels}):
+        row = [f"{by_key[(workload, m, c)].tokens_per_s:.1f}" for m in modes]
         if "k0" in modes:
-            base = by_key[("k0", c)].tokens_per_s
-            row += [f"{by_key[(m, c)].tokens_per_s / base:.2f}x" for m in modes if m != "k0"]
-        lines.append(f"| {c} | " + " | ".join(row) + " |")
+            base = by_key[(workload, "k0", c)].tokens_per_s
+            row += [
+                f"{by_key[(workload, m, c)].tokens_per_s / base:.2f}x" for m in modes if m != "k0"
+            ]
+        lines.append(f"| {workload} | {c} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def noise_floor(levels: list[LevelResult]) -> float | None:
+    """The run's lowest k0-again / k0 ratio: a mode equal to k0 can read this low."""
+    by_key = {(r.workload, r.mode, r.concurrency): r.tokens_per_s for r in levels}
+    ratios = [
+        value / by_key[(w, "k0", c)]
+        for (w, mode, c), value in by_key.items()
+        if mode == "k0-again" and by_key.get((w, "k0", c))
+    ]
+    return min(ratios) if ratios else None
 
 
 def plot(levels: list[LevelResult], modes: list[str], path: Path) -> None:
@@ -281,13 +318,22 @@ def plot(levels: list[LevelResult], modes: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in modes:
-        rows = sorted((r for r in levels if r.mode == mode), key=lambda r: r.concurrency)
-        xs = [r.concurrency for r in rows]
-        left.plot(xs, [r.tokens_per_s for r in rows], marker="o", label=mode)
-        right.plot(xs, [r.latency_p99_s for r in rows], marker="o", label=mode)
-    finish_axes(((left, "output tokens/s"), (right, "p99 request latency (s)")), "concurrency")
+    workloads = sorted({r.workload for r in levels})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+    for axis, workload in zip(axes[0], workloads, strict=True):
+        for mode in modes:
+            rows = sorted(
+                (r for r in levels if r.mode == mode and r.workload == workload),
+                key=lambda r: r.concurrency,
+            )
+            axis.plot(
+                [r.concurrency for r in rows],
+                [r.tokens_per_s for r in rows],
+                marker="o",
+                label=mode,
+            )
+        axis.set_title(workload)
+    finish_axes([(axis, "output tokens/s") for axis in axes[0]], "concurrent streams")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -305,39 +351,64 @@ def write_outputs(levels: list[LevelResult], config: BenchConfig, meta: dict) ->
     return base
 
 
-def run(config: BenchConfig) -> list[LevelResult]:
-    prompts = load_prompts(config.prompts)
-    server = None
-    if config.url is None:
-        from specdec.launch import ManagedServer
+def run_level(
+    workload: str, concurrency: int, modes: list[str], level_index: int, loads: dict, config
+) -> list[LevelResult]:
+    """One level: each mode's windows in mirrored order. `loads`: mode -> StaggeredLoad (a
+    mode may run on a server of its own, as float32's k = 0 does)."""
+    schedule = window_schedule(modes, level_index)
+    seconds = config.level_seconds / schedule.count(modes[0])
+    windows = [loads[mode].window(mode, seconds) for mode in schedule]
+    requests = {id(load): load.stop() for load in loads.values()}
+    results = []
+    for mode in modes:
+        mine = [w for w in windows if w.mode == mode]
+        level = summarize(workload, mode, concurrency, mine, requests[id(loads[mode])])
+        results.append(level)
+        print(
+            f"{workload:<9} c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s "
+            f"(windows {', '.join(f'{x:.1f}' for x in level.window_tokens_per_s)})  "
+            f"p99 latency {level.latency_p99_s:6.2f} s  "
+            f"acceptance {level.acceptance_rate:.2f}  "
+            f"drafted/token {level.draft_tokens_per_output_token:.2f}  "
+            f"errors {level.num_errors}",
+            flush=True,
+        )
+    return results
 
-        server = ManagedServer(f"bench-{config.name}", config.server_env)
-        config.metrics_url = server.metrics_url
-    url = config.url or server.url
+
+def run(config: BenchConfig) -> list[LevelResult]:
+    from specdec.launch import ManagedServer
+
+    servers = []
+    if config.url is None:
+        servers.append(ManagedServer(f"bench-{config.name}", config.server_env))
+        config.metrics_url = servers[0].metrics_url
+    url = config.url or servers[0].url
+    levels: list[LevelResult] = []
     try:
-        generate(prompts[0], url, config.model, max_tokens=8)  # warm-up
-        levels = []
-        for i, concurrency in enumerate(config.concurrency):
-            schedule = window_schedule(config.modes, i)
-            seconds = config.level_seconds / schedule.count(config.modes[0])
-            load = StaggeredLoad(url, concurrency, prompts, config)
-            windows = [load.window(mode, seconds) for mode in schedule]
-            requests = load.stop()
-            for mode in config.modes:
-                mine = [w for w in windows if w.mode == mode]
-                level = summarize(mode, concurrency, mine, requests)
-                levels.append(level)
-                print(
-                    f"c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s "
-                    f"(windows {', '.join(f'{x:.1f}' for x in level.window_tokens_per_s)})  "
-                    f"p99 latency {level.latency_p99_s:6.2f} s  "
-                    f"acceptance {level.acceptance_rate:.2f}  "
-                    f"drafted/token {level.draft_tokens_per_output_token:.2f}  "
-                    f"errors {level.num_errors}",
-                    flush=True,
-                )
+        for workload in config.workloads:
+            prompts = load_prompts(WORKLOADS[workload])
+            generate(prompts[0], url, config.model, max_tokens=8)  # warm-up
+            for i, concurrency in enumerate(config.concurrency):
+                load = StaggeredLoad(url, concurrency, prompts, config, config.metrics_url)
+                loads = {mode: load for mode in config.modes}
+                levels += run_level(workload, concurrency, config.modes, i, loads, config)
+        if config.float32_concurrency:
+            float32 = ManagedServer(
+                f"bench-{config.name}-float32", {**config.server_env, "DTYPE": "float32"}
+            )
+            servers.append(float32)
+            prompts = load_prompts(WORKLOADS[config.workloads[0]])
+            generate(prompts[0], float32.url, config.model, max_tokens=8)
+            c = config.float32_concurrency
+            loads = {
+                "k0": StaggeredLoad(url, c, prompts, config, config.metrics_url),
+                "k0-float32": StaggeredLoad(float32.url, c, prompts, config, float32.metrics_url),
+            }
+            levels += run_level("dtype", c, ["k0", "k0-float32"], 0, loads, config)
     finally:
-        if server is not None:
+        for server in servers:
             server.stop()
     meta = {
         "max_tokens": config.max_tokens,
@@ -345,9 +416,18 @@ def run(config: BenchConfig) -> list[LevelResult]:
         "model": config.model,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "server_env": config.server_env,
+        "noise_floor": noise_floor(levels),
     }
     base = write_outputs(levels, config, meta)
-    print(ratio_table(levels, config.modes))
+    print(ratio_table([r for r in levels if r.workload != "dtype"], config.modes))
+    print(f"noise floor (lowest k0-again / k0 of the run): {meta['noise_floor']}")
+    dtype = {r.mode: r.tokens_per_s for r in levels if r.workload == "dtype"}
+    if dtype:
+        print(
+            f"k = 0 at {config.float32_concurrency} streams, this server's dtype against "
+            f"float32: {dtype['k0'] / dtype['k0-float32']:.2f}x "
+            f"({dtype['k0']:.1f} / {dtype['k0-float32']:.1f} tok/s)"
+        )
     print(f"wrote {base}.json, .csv, .png")
     return levels
 
@@ -355,12 +435,19 @@ def run(config: BenchConfig) -> list[LevelResult]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--modes", default="k0,k2,k4,adaptive", help=f"comma-separated, of {', '.join(MODES)}"
+        "--modes", default="k0,adaptive,k0-again", help=f"comma-separated, of {', '.join(MODES)}"
     )
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--level-seconds", type=float, default=40.0, help="sustained load per level and mode"
+    )
+    parser.add_argument(
+        "--float32-concurrency",
+        type=int,
+        default=0,
+        help="also k = 0 on a float32 server of its own at this many streams (0: no)",
     )
     parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
     parser.add_argument("--metrics-url", default=None, help="with --url: http://host:8002/metrics")
@@ -370,7 +457,7 @@ def main() -> None:
     parser.add_argument(
         "--server-env",
         default="",
-        help="for the own server, e.g. DRAFT_CHECKPOINT=models/x,NUM_SLOTS=64",
+        help="for the own server, e.g. DTYPE=bfloat16,NUM_SLOTS=64",
     )
     args = parser.parse_args()
     env = dict(item.split("=", 1) for item in args.server_env.split(",") if item)
@@ -383,9 +470,11 @@ def main() -> None:
             url=args.url,
             metrics_url=args.metrics_url,
             model=args.model,
+            workloads=args.workloads.split(","),
             name=args.name,
             out_dir=args.out_dir,
             server_env=env,
+            float32_concurrency=args.float32_concurrency,
         )
     )
 

@@ -146,8 +146,9 @@ class StreamingUser(User):
             return_num_output_tokens=True,
             return_perf_metrics=True,
         )
-        if o.num_draft_tokens >= 0:
+        if o.num_draft_tokens >= 0:  # exactly k (0: no speculation)
             params["num_draft_tokens"] = o.num_draft_tokens
+            params["fixed_num_draft_tokens"] = True
         if o.temperature > 0:
             params["seed"] = self.rng.randrange(2**32)
         start = time.perf_counter()

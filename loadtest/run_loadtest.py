@@ -183,7 +183,7 @@ def run(config: LoadtestConfig) -> dict:
             # Streams Locust dropped at the end of a ramp finish on the server first: the next
             # run starts on an idle server.
             wait_until_idle(metrics_url)
-            k = MODES[name]
+            k = MODES[name].get("num_draft_tokens")  # a fixed k, or the server's choice
             summary[name] = summarize(run_locust(config, url, name, -1 if k is None else k))
     finally:
         if server is not None:
