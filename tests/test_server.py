@@ -54,6 +54,22 @@ def test_greedy_equals_transformers_generate(server, references, k):
         assert result.text == expected, prompt
 
 
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        {"proposer": "ngram", "num_draft_tokens": 8, "fixed_num_draft_tokens": True},
+        {"proposer": "ngram"},  # k chosen per row
+        {},  # the server's choice of proposer and k
+    ],
+)
+def test_prompt_lookup_greedy_equals_transformers_generate(server, references, speculation):
+    params = dict(max_tokens=NUM_TOKENS, exclude_input_in_output=True, **speculation)
+    results = run_concurrently(server.url, "ensemble", [(p, params) for p in PROMPTS])
+    for prompt, result, expected in zip(PROMPTS, results, references, strict=True):
+        assert result.error is None, result.error
+        assert result.text == expected, prompt
+
+
 def test_sixteen_concurrent_requests_give_their_solo_text(server):
     jobs = [
         (

@@ -1,0 +1,137 @@
+"""The bfloat16 contract, through the real server: speculative output equals plain decoding
+up to the first position where plain decoding's top-2 logits lie within TIE_MARGIN.
+
+A verify of k + 1 tokens and k + 1 one-token steps round differently in bfloat16, so where
+the two best tokens are nearly tied the paths may pick differently; anywhere else a
+divergence is a bug. The plain path's logits come from the same engine in this process,
+decoding one token at a time (what the server's k = 0 does), so the gap at a divergence is
+the plain path's own. Every divergence is printed (pytest -s, or -rA shows it).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specdec.client import generate
+from specdec.launch import ManagedServer
+from specdec.llama import LlamaEngine
+from specdec.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.server
+
+# Plain decoding's top-2 logit gap below which the two paths may disagree. The final norm and
+# head compute in float32, so logits are not rounded to bfloat16's coarse steps; the
+# residual and attention are, and that moves a logit by a few hundredths here (docs/
+# design.md, "Precision").
+TIE_MARGIN = 0.25
+NUM_TOKENS = 128
+PROMPTS = [
+    "<|im_start|>user\nList three uses of copper.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nFix the spelling: Teh quick brwon fox jumpd over the lazzy dog and "
+    "ran into the forrest.<|im_end|>\n<|im_start|>assistant\n",
+    '<|im_start|>user\nConvert to YAML: {"name": "web", "port": 8080, "replicas": 3, '
+    '"env": {"DEBUG": "false", "REGION": "eu-west"}}<|im_end|>\n<|im_start|>assistant\n',
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Once upon a time, in a village at the edge of the forest,",
+    "<|im_start|>user\nRepeat this list, numbered: apples, pears, plums, cherries, grapes, "
+    "figs.<|im_end|>\n<|im_start|>assistant\n",
+    "SELECT name, COUNT(*) FROM orders",
+]
+
+
+@pytest.fixture(scope="module")
+def bfloat16_server(target_dir):
+    running = ManagedServer(
+        "test-bfloat16", {"DTYPE": "bfloat16", "NUM_SLOTS": "8", "MAX_CONTEXT": "512"}
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_path(target_dir):
+    """Per prompt: the plain path's greedy token ids and each one's top-2 logit gap."""
+    tokenizer = load_tokenizer(str(target_dir))
+    engine = LlamaEngine.from_checkpoint(target_dir, 1, 512, dtype=torch.bfloat16)
+    paths = []
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer.encode(prompt)
+        logits = engine.forward(
+            torch.tensor(prompt_ids), [len(prompt_ids)], [0], [0], [1]
+        )  # (1, V)
+        ids, gaps, length = [], [], len(prompt_ids)
+        for _ in range(NUM_TOKENS):
+            top = logits[0].float().topk(2)
+            ids.append(int(top.indices[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            if ids[-1] == tokenizer.eos_token_id:
+                break
+            logits = engine.forward(torch.tensor(ids[-1:]), [1], [0], [length], [1])
+            length += 1
+        paths.append((ids, gaps))
+    return tokenizer, paths
+
+
+def first_divergence(tokenizer, plain_ids: list[int], text: str) -> int | None:
+    """The index of the first plain token whose text the served text does not continue."""
+    for i in range(len(plain_ids)):
+        if not text.startswith(tokenizer.decode(plain_ids[: i + 1])):
+            return i
+    return None
+
+
+def check(label: str, texts: list[str], plain_path) -> list[str]:
+    """Each served text against the plain path: a report line per divergence; fails on one
+    outside the margin."""
+    tokenizer, paths = plain_path
+    report, outside = [], []
+    for prompt, text, (ids, gaps) in zip(PROMPTS, texts, paths, strict=True):
+        position = first_divergence(
+            tokenizer, ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids, text
+        )
+        if position is None:
+            continue
+        line = f"{label}: {prompt[:40]!r} diverges at token {position}, gap {gaps[position]:.4f}"
+        report.append(line)
+        if gaps[position] >= TIE_MARGIN:
+            outside.append(line)
+    print("\n".join(report) or f"{label}: no divergence")
+    assert not outside, outside
+    return report
+
+
+def served(url: str, jobs: list[dict], concurrently: bool) -> list[str]:
+    def one(job):
+        prompt, params = job
+        result = generate(
+            prompt, url=url, max_tokens=NUM_TOKENS, exclude_input_in_output=True, **params
+        )
+        assert result.error is None, result.error
+        return result.text
+
+    if not concurrently:
+        return [one(job) for job in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, jobs))
+
+
+def test_bfloat16_speculation_diverges_only_at_near_ties(bfloat16_server, plain_path):
+    url = bfloat16_server.url
+    plain = served(url, [(p, {"num_draft_tokens": 0}) for p in PROMPTS], concurrently=False)
+    drafted = {"num_draft_tokens": 4, "fixed_num_draft_tokens": True, "proposer": "draft_model"}
+    looked_up = {"num_draft_tokens": 8, "fixed_num_draft_tokens": True, "proposer": "ngram"}
+    alone = served(url, [(p, drafted) for p in PROMPTS], concurrently=False)
+    batch = served(
+        url,
+        [(p, drafted if i % 2 else looked_up) for i, p in enumerate(PROMPTS)],
+        concurrently=True,
+    )
+    check("plain (k = 0) on the server", plain, plain_path)
+    check("draft model k = 4, alone", alone, plain_path)
+    check("batch of 8, draft k = 4 and lookup k = 8", batch, plain_path)
+    # Not vacuous: most texts agree in full, and the served plain path is this one.
+    assert sum(a == b for a, b in zip(plain, alone, strict=True)) >= len(PROMPTS) // 2
