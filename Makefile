@@ -71,13 +71,14 @@ draft: models
 	$(PY) -m build.train_draft --target $(TARGET)
 	$(PY) build/prepare_models.py --models-dir $(MODELS)
 
-# k = 0, 2, 4 and adaptive from 1 to 64 concurrent streams, on one server of its own;
-# then adaptive against k = 0 with the weak (rarely accepted) draft, and k = 0 against
-# itself (k0-again): the noise floor of the same run.
+# By workload (chat, grounded) at 1, 4, 16 and 64 concurrent streams, on one server of its
+# own in DTYPE: k = 0, each proposer alone, adaptive, and k = 0 again (the run's noise
+# floor), in interleaved windows; then k = 0 at 32 streams against a float32 server of its
+# own. Writes results/bench.{json,csv,png} (about 50 minutes on 2 cores).
 bench: models
-	$(PY) loadtest/bench.py --name bench
-	$(PY) loadtest/bench.py --name bench-weak-draft --modes k0,adaptive,k0-again \
-		--server-env DRAFT_CHECKPOINT=models/smollm2-135m-first4layers
+	$(PY) loadtest/bench.py --name bench --workloads chat,grounded \
+		--modes k0,draft,ngram,adaptive,k0-again --concurrency 1,4,16,64 --level-seconds 30 \
+		--float32-concurrency 32 --server-env DTYPE=$(DTYPE)
 
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models
