@@ -7,9 +7,10 @@ after them. Rolling back rejected draft tokens is only a shorter cache length ne
 Calls are packed: the new tokens of every row are concatenated into one (N,) tensor, so the
 linear layers (where the time goes on CPU) see one matrix, and only attention runs per row.
 
-Precision (`dtype`): the matrices, the attention and the KV cache compute in float32,
-bfloat16 or float16 (CUDA); the residual stream, the norms and the head stay float32, so
-logits are not rounded to bfloat16's coarse steps, where the top two would often tie.
+Precision (`dtype`): the matrices (the head too), the attention and the KV cache compute in
+float32, bfloat16 or float16 (CUDA); the residual stream and the norms stay float32, and the
+head's top logits are recomputed in float32, so they are not rounded to bfloat16's coarse
+steps, where the top two would often tie.
 """
 
 from __future__ import annotations
@@ -146,6 +147,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 HEAD_TOKEN_IDS = "draft.head_token_ids"  # optional weight: (head size,) token ids
 MAX_BATCHED_QUERY = 16  # rows with more new tokens than this attend one by one
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Top logits per position that the head recomputes in float32 below float32 (head_logits):
+# the true top two are among them unless more than this many round to the same top value.
+RESCORED_LOGITS = 16
 
 
 @dataclass
@@ -196,16 +200,15 @@ class LlamaEngine:
         def vector(name: str) -> torch.Tensor:  # norm weights: float32 as the norms are
             return weights[name].to(self.device, torch.float32)
 
-        # The head stays float32: bfloat16 logits step by 0.125 near 20, so the top two
-        # would often tie exactly and a verify and a one-token step would break the tie
-        # differently. A tied table is read by the embedding too (one copy, no cost: the
-        # lookup reads one row per token).
+        # The head is a matrix like the others (a float32 copy cost 30-40% of a bfloat16
+        # step here); its top logits are recomputed in float32 (head_logits), so they are
+        # not rounded to bfloat16's steps (0.125 near 20) where the top two would tie.
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = vector(head_name)
-        if config.tie_word_embeddings:
-            self.embed = self.lm_head
-        else:
-            self.embed = matrix("model.embed_tokens.weight")
+        self.lm_head = matrix(head_name)
+        self.embed = (
+            self.lm_head if config.tie_word_embeddings else matrix("model.embed_tokens.weight")
+        )
+        self.rescored_logits = RESCORED_LOGITS
         # A draft may score only a subset of the vocabulary (its head's rows are these token
         # ids); every other token gets probability 0, which keeps sampling exact.
         self.head_token_ids = weights.get(HEAD_TOKEN_IDS)
@@ -335,6 +338,21 @@ class LlamaEngine:
         out = out.permute(0, 3, 1, 2, 4).reshape(b.span * b.width, c.num_heads, c.head_dim)
         attn[b.sources] = out[b.dests]
 
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of float32 hidden states h (M, H). Below float32 the head runs in
+        the compute dtype, whose output is rounded to it; then each row's top
+        `rescored_logits` are recomputed from the same weights in float32, so that the
+        top two differ by what the model computes, not by a rounding step."""
+        if self.lm_head.dtype == torch.float32:
+            return F.linear(h, self.lm_head)
+        logits = F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        if self.rescored_logits <= 0:
+            return logits
+        top = logits.topk(min(self.rescored_logits, logits.shape[-1]), dim=-1).indices
+        rows = self.lm_head[top].float()  # (M, R, H)
+        exact = torch.bmm(rows, h[:, :, None])[:, :, 0]  # (M, R)
+        return logits.scatter_(1, top, exact)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -396,9 +414,8 @@ class LlamaEngine:
         picks = torch.cat(
             [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
         ).to(self.device)
-        h = rms_norm(x[picks], self.final_norm, c.rms_norm_eps)  # float32, as the head
-        # (sum(num_logits), V or head size); the head is float32 (see __init__)
-        logits = F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        h = rms_norm(x[picks], self.final_norm, c.rms_norm_eps)
+        logits = self.head_logits(h)  # (sum(num_logits), V or head size)
         if self.head_token_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], c.vocab_size), float("-inf"))

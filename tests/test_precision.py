@@ -117,8 +117,20 @@ def test_bfloat16_cache_takes_half_the_memory(engines):
         full, half = getattr(float32, name), getattr(bfloat16, name)
         assert half.dtype == torch.bfloat16 and half.shape == full.shape
         assert half.nbytes * 2 == full.nbytes
-    assert bfloat16.layers[0]["qkv"].dtype == torch.bfloat16
-    assert bfloat16.lm_head.dtype == torch.float32  # logits not rounded to bfloat16 steps
+    assert bfloat16.layers[0]["qkv"].dtype == bfloat16.lm_head.dtype == torch.bfloat16
+
+
+def test_bfloat16_head_recomputes_its_top_logits_in_float32(engines):
+    engine = engines[torch.bfloat16]
+    h = torch.randn(4, engine.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = engine.head_logits(h)
+    exact = h @ engine.lm_head.float().T  # the same weights, float32 all through
+    rounded = (h.to(torch.bfloat16) @ engine.lm_head.T).float()  # what the head computes
+    top = rounded.topk(engine.rescored_logits, dim=-1).indices  # the ones recomputed
+    assert torch.allclose(logits.gather(1, top), exact.gather(1, top), atol=1e-4)
+    assert torch.equal(logits.argmax(dim=-1), exact.argmax(dim=-1))
+    # Without it the top logits sit on bfloat16's grid.
+    assert not torch.equal(logits.gather(1, top), rounded.gather(1, top))
 
 
 def greedy(engine: LlamaEngine, prompt: list[int], num_tokens: int) -> list[int]:
