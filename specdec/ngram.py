@@ -25,12 +25,14 @@ class NgramIndex:
     its latest occurrence that has a following token."""
 
     match_lengths: tuple[int, ...] = DEFAULT_MATCH_LENGTHS
+    match_length: int = 0  # n of the last proposal's match (0: none)
     _latest: dict[tuple[int, ...], int] = field(default_factory=dict)
     _indexed: int = 0  # positions < this have their n-grams in _latest
 
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that followed the latest earlier occurrence of the
         longest matching suffix of `token_ids` (prompt + output); [] without a match."""
+        self.match_length = 0
         if max_tokens <= 0:
             return []
         self._extend(token_ids)
@@ -40,6 +42,7 @@ class NgramIndex:
                 continue
             start = self._latest.get(tuple(token_ids[length - n :]))
             if start is not None:
+                self.match_length = n
                 return list(token_ids[start : start + max_tokens])
         return []
 

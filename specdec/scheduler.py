@@ -94,6 +94,7 @@ class Sequence:
     proposer: str | None = None  # where this step's draft tokens come from
     ngram_index: NgramIndex = field(default_factory=NgramIndex)
     ngram_proposal: list[int] = field(default_factory=list)  # this step's lookup
+    ngram_match_length: int = 0  # the n of this step's lookup
     ngram_acceptance: AcceptanceWindow | None = None  # this row's, once it used lookup
     ngram_idle: int = 0  # iterations with a match that was not verified
     stats: SequenceStats = field(default_factory=SequenceStats)
@@ -130,7 +131,10 @@ class SpeculativeScheduler:
         self.free_slots = list(range(config.num_slots))
         self._ids = itertools.count()
         self.controller = AdaptiveController(config.max_draft_tokens)  # the draft model's k
-        self.ngram_acceptance = AcceptanceWindow(config.max_draft_tokens)  # every row's lookups
+        # Every row's lookups, by match length: a 3-token match is a surer guess than one token.
+        self.ngram_acceptance = {
+            n: AcceptanceWindow(config.max_draft_tokens) for n in config.ngram_match_lengths
+        }
         self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
         # (start, busy seconds, batch size, k, probe) of the last steady step: its cost is
         # measured from its start to the next step's start, so the glue's work between steps
@@ -258,9 +262,9 @@ class SpeculativeScheduler:
         sequence.proposer = "draft_model" if sequence.num_draft_tokens else None
 
     def _use_lookup(self, sequence: Sequence, k: int) -> None:
-        sequence.ngram_proposal = sequence.ngram_index.propose(
-            sequence.token_ids, self._cap(sequence, k)
-        )
+        index = sequence.ngram_index
+        sequence.ngram_proposal = index.propose(sequence.token_ids, self._cap(sequence, k))
+        sequence.ngram_match_length = index.match_length
         sequence.num_draft_tokens = len(sequence.ngram_proposal)
         sequence.proposer = "ngram" if sequence.ngram_proposal else None
 
@@ -269,20 +273,19 @@ class SpeculativeScheduler:
         every row's) against the target's measured cost by tokens verified. A row with a
         match left unverified for NGRAM_PROBE_EVERY iterations tries one token."""
         candidates = []
-        shared_rates = self.ngram_acceptance.rates()
+        shared = {n: window.rates() for n, window in self.ngram_acceptance.items()}
         for i, sequence in enumerate(rows):
-            proposal = sequence.ngram_index.propose(
-                sequence.token_ids, self._cap(sequence, self._row_limit(sequence)[0])
-            )
-            sequence.ngram_proposal = proposal
-            if proposal:
+            self._use_lookup(sequence, self._row_limit(sequence)[0])
+            sequence.num_draft_tokens, sequence.proposer = 0, None  # until the plan says
+            if sequence.ngram_proposal:
                 own = sequence.ngram_acceptance
-                rates = own.rates(shared_rates) if own is not None else shared_rates
-                candidates.append(NgramCandidate(i, len(proposal), rates))
+                prior = shared[sequence.ngram_match_length]
+                rates = own.rates(prior) if own is not None else prior
+                candidates.append(NgramCandidate(i, len(sequence.ngram_proposal), rates))
         if not candidates:
             return
         plan = plan_ngram_tokens(
-            candidates, batch_size, self.controller.target_cost.estimate, NGRAM_MARGIN
+            candidates, batch_size, self._verify_cost(batch_size), NGRAM_MARGIN
         )
         for candidate in candidates:
             sequence = rows[candidate.row]
@@ -303,7 +306,18 @@ class SpeculativeScheduler:
                 self.config.max_draft_tokens, window=ROW_WINDOW
             )
         sequence.ngram_acceptance.observe(k, num_accepted)
-        self.ngram_acceptance.observe(k, num_accepted)
+        self.ngram_acceptance[sequence.ngram_match_length].observe(k, num_accepted)
+
+    def _verify_cost(self, batch_size: int):
+        """Seconds of a target call by tokens verified. Until a call longer than plain
+        decoding's has been measured, extra tokens are priced at nothing, so that one
+        verify is tried and measured (extrapolating from plain decoding alone would price
+        each token as a whole row, and lookups would never start)."""
+        curve = self.controller.target_cost
+        if curve.sizes and curve.sizes[-1] <= batch_size:
+            plain = curve.estimate(batch_size)
+            return lambda num_tokens: plain
+        return curve.estimate
 
     def _lookback_probe(self, adaptive: list[Sequence]) -> Sequence | None:
         """A probe that costs no verify: a greedy row's draft catches up on the output tokens
