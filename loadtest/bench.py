@@ -44,6 +44,7 @@ MODES: dict[str, dict] = {
     "ngram": {"proposer": "ngram"},
     "adaptive": {},
     "k0-again": {"num_draft_tokens": 0},
+    "k0-float32": {"num_draft_tokens": 0},  # k = 0 on the float32 server (--float32-concurrency)
 }
 WORKLOADS = {
     "chat": PROJECT_ROOT / "loadtest" / "prompts.jsonl",
