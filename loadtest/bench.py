@@ -360,7 +360,8 @@ def run_level(
     schedule = window_schedule(modes, level_index)
     seconds = config.level_seconds / schedule.count(modes[0])
     windows = [loads[mode].window(mode, seconds) for mode in schedule]
-    requests = {id(load): load.stop() for load in loads.values()}
+    distinct = {id(load): load for load in loads.values()}  # modes may share one load
+    requests = {key: load.stop() for key, load in distinct.items()}
     results = []
     for mode in modes:
         mine = [w for w in windows if w.mode == mode]

@@ -261,10 +261,14 @@ class SpeculativeScheduler:
         sequence.num_draft_tokens = self._cap(sequence, k)
         sequence.proposer = "draft_model" if sequence.num_draft_tokens else None
 
-    def _use_lookup(self, sequence: Sequence, k: int) -> None:
+    def _look_up(self, sequence: Sequence, k: int) -> None:
+        """The row's lookup proposal of up to k tokens, not yet chosen for the verify."""
         index = sequence.ngram_index
         sequence.ngram_proposal = index.propose(sequence.token_ids, self._cap(sequence, k))
         sequence.ngram_match_length = index.match_length
+
+    def _use_lookup(self, sequence: Sequence, k: int) -> None:
+        self._look_up(sequence, k)
         sequence.num_draft_tokens = len(sequence.ngram_proposal)
         sequence.proposer = "ngram" if sequence.ngram_proposal else None
 
@@ -275,8 +279,7 @@ class SpeculativeScheduler:
         candidates = []
         shared = {n: window.rates() for n, window in self.ngram_acceptance.items()}
         for i, sequence in enumerate(rows):
-            self._use_lookup(sequence, self._row_limit(sequence)[0])
-            sequence.num_draft_tokens, sequence.proposer = 0, None  # until the plan says
+            self._look_up(sequence, self._row_limit(sequence)[0])
             if sequence.ngram_proposal:
                 own = sequence.ngram_acceptance
                 prior = shared[sequence.ngram_match_length]
