@@ -158,8 +158,9 @@ class TritonPythonModel:
                     self.metrics.update_occupancy(0, 0, len(self.scheduler.free_slots))
                 continue
             with self.lock:
+                # Metrics first: a client that scrapes right after its final response sees
+                # its request counted and its slot free.
                 for update in updates:
-                    self._respond(update)
                     if update.finished:
                         self.metrics.finished(update.sequence.finish_reason)
                 if self.scheduler.last_iteration is not None:
@@ -169,6 +170,8 @@ class TritonPythonModel:
                     len(self.scheduler.waiting),
                     len(self.scheduler.free_slots),
                 )
+                for update in updates:
+                    self._respond(update)
 
     def _mark_cancelled(self) -> None:
         """Once per iteration (it crosses a process boundary): drop cancelled streams."""
