@@ -9,7 +9,9 @@ the GPU has it, as the server's DTYPE=auto picks; specdec/engines.py) into <plan
 then built strongly typed with optimization profiles for --num-slots sequences of
 --max-context positions (specdec/trt_engine.py: optimization_profiles). Plans go to
 .run/engines/<checkpoint folder name>/tensorrt-<dtype>, where the tensorrt engine looks for
-them (or --out, one checkpoint). A plan that already covers the limits is kept.
+them (or --out, one checkpoint). A plan that already serves the limits on this TensorRT
+and GPU is kept; any other is rebuilt, and the reason printed (specdec/trt_engine.py:
+plan_mismatch).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="plan folder (one checkpoint only)")
     parser.add_argument("--engines-root", type=Path, default=PROJECT_ROOT / ".run" / "engines")
     # DTYPES: float32 too, so that it is refused with the reason (and the alternative)
-    parser.add_argument("--dtype", choices=DTYPES, default="float16")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto")  # as the server's DTYPE
     parser.add_argument("--num-slots", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--print-profiles", action="store_true")

@@ -619,6 +619,16 @@ def test_plan_manifest_records_tensorrt_gpu_format_and_profiles(fake_trt, tmp_pa
     assert built == [p.shapes(TINY.num_layers, 1, TINY.head_dim) for p in profiles]
 
 
+def test_the_image_pins_tensorrt_and_the_readme_names_the_pair():
+    dockerfile = (PROJECT_ROOT / "docker" / "Dockerfile").read_text()
+    version = re.search(r"^ARG TENSORRT_VERSION=(\S+)$", dockerfile, re.M)[1]
+    image = re.search(r"^ARG TRITON_IMAGE=(\S+)$", dockerfile, re.M)[1]
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", version)
+    assert 'pip install "${TENSORRT_PACKAGE}==${TENSORRT_VERSION}"' in dockerfile
+    readme = " ".join((PROJECT_ROOT / "README.md").read_text().split())
+    assert f"`{image}` (CUDA 13) with TensorRT {version}" in readme
+
+
 # --- Defects 4, 5, 6: return values, the engine's own stream, one activation block. ---
 
 
