@@ -5,6 +5,8 @@
 
 Text is printed as it arrives; then output tokens, tokens/s, time to first token and the
 acceptance rate. --model speculative_decoding calls the BLS straight (cancellable streams).
+--num-return-sequences N (with --temperature > 0) prints N independent sequences, each after
+it ends; --log-probs adds the target's log-probability of the output (cum_log_probs).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class ClientConfig:
     num_draft_tokens: int | None
     chat: bool
     tokenizer: Path
+    num_return_sequences: int = 1
+    log_probs: bool = False
 
 
 def run(config: ClientConfig) -> int:
@@ -39,18 +43,24 @@ def run(config: ClientConfig) -> int:
         from specdec.tokenizer import TextTokenizer
 
         prompt = TextTokenizer(config.tokenizer).apply_chat_template(prompt)
+    params = dict(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=config.seed,
+        num_draft_tokens=config.num_draft_tokens,
+        return_perf_metrics=True,
+        return_num_output_tokens=True,
+        return_log_probs=config.log_probs or None,
+    )
     with StreamingClient(config.url, config.model) as client:
+        if config.num_return_sequences > 1:
+            return print_sequences(client, prompt, config.num_return_sequences, params)
         result = client.generate(
             prompt,
-            max_tokens=config.max_tokens,
             stream=True,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            seed=config.seed,
-            num_draft_tokens=config.num_draft_tokens,
-            return_perf_metrics=True,
-            return_num_output_tokens=True,
             on_chunk=lambda chunk: print(chunk, end="", flush=True),
+            **params,
         )
     print()
     if result.error is not None:
@@ -68,6 +78,24 @@ def run(config: ClientConfig) -> int:
         f"/{int(metrics.get('total_draft_tokens', 0))} draft tokens)",
         file=sys.stderr,
     )
+    if "cum_log_probs" in metrics:
+        print(f"--- cum_log_probs {metrics['cum_log_probs']:.3f}", file=sys.stderr)
+    return 0
+
+
+def print_sequences(client: StreamingClient, prompt: str, count: int, params: dict) -> int:
+    """One request for `count` sequences (num_return_sequences), printed by sequence_index."""
+    results = client.generate_all(
+        prompt, num_return_sequences=count, exclude_input_in_output=True, **params
+    )
+    for (_, index), result in sorted(results.items()):
+        if result.error is not None:
+            print(f"error: {result.error.message()}", file=sys.stderr)
+            return 1
+        summary = f"{int(result.metrics.get('num_output_tokens', 0))} tokens"
+        if "cum_log_probs" in result.metrics:
+            summary += f", cum_log_probs {result.metrics['cum_log_probs']:.3f}"
+        print(f"--- sequence {index} ({summary})\n{result.text}")
     return 0
 
 
@@ -98,6 +126,15 @@ def main() -> None:
         type=Path,
         default=DEFAULT_TOKENIZER,
         help="checkpoint folder whose chat template --chat applies",
+    )
+    parser.add_argument(
+        "--num-return-sequences",
+        type=int,
+        default=1,
+        help="independent sequences from one prompt (sampled: set --temperature)",
+    )
+    parser.add_argument(
+        "--log-probs", action="store_true", help="report the output's cum_log_probs"
     )
     args = parser.parse_args()
     sys.exit(run(ClientConfig(**vars(args))))

@@ -1,7 +1,10 @@
 """A tritonclient gRPC client for the ensemble and the BLS (used by clients/, tests, benchmarks).
 
 Decoupled models answer only on gRPC streams, so every request goes through one; `stream`
-decides whether the server sends one response per iteration or one at the end.
+decides whether the server sends one response per iteration or one at the end. Responses
+are read as TensorRT-LLM's clients read them: `text_output` is 1-D (one element per
+response), the other outputs [1, 1]; a request of several prompts or sequences is put back
+together by batch_index and sequence_index.
 """
 
 from __future__ import annotations
@@ -45,35 +48,58 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "return_generation_logits": ("BOOL", np.bool_),
     "use_draft_logits": ("BOOL", np.bool_),
 }
-METRIC_OUTPUTS = (
+PERF_OUTPUTS = (
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
     "acceptance_rate",
     "total_accepted_draft_tokens",
     "total_draft_tokens",
-    "num_input_tokens",
-    "num_output_tokens",
 )
+METRIC_OUTPUTS = (*PERF_OUTPUTS, "num_input_tokens", "num_output_tokens", "cum_log_probs")
 
 
-def build_inputs(prompt: str | bytes, **params) -> list[grpcclient.InferInput]:
-    """Input tensors, shaped [1, 1] (a batch of one) as TensorRT-LLM's ensemble takes them."""
-    raw = prompt.encode("utf-8") if isinstance(prompt, str) else prompt
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[raw]], dtype=np.object_))
+def build_inputs(prompt: str | bytes | list, **params) -> list[grpcclient.InferInput]:
+    """Input tensors shaped [B, 1] as TensorRT-LLM's ensemble takes them: B = 1 for one
+    prompt, or one row per prompt of a list (every parameter repeated on each row)."""
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    rows = len(prompts)
+    raw = [p.encode("utf-8") if isinstance(p, str) else p for p in prompts]
+    text = grpcclient.InferInput("text_input", [rows, 1], "BYTES")
+    text.set_data_from_numpy(np.array(raw, dtype=np.object_).reshape(rows, 1))
     inputs = [text]
     for name, value in params.items():
         if value is None:
             continue
         if name in ("stop_words", "bad_words", "proposer"):
             value = [value] if isinstance(value, str) else value
-            words = np.array([[w.encode("utf-8") for w in value]], dtype=np.object_)
+            words = np.array([[w.encode("utf-8") for w in value]] * rows, dtype=np.object_)
             tensor = grpcclient.InferInput(name, list(words.shape), "BYTES")
             tensor.set_data_from_numpy(words)
         else:
             triton_type, dtype = INPUT_TYPES[name]
-            tensor = grpcclient.InferInput(name, [1, 1], triton_type)
-            tensor.set_data_from_numpy(np.array([[value]], dtype=dtype))
+            tensor = grpcclient.InferInput(name, [rows, 1], triton_type)
+            tensor.set_data_from_numpy(np.full((rows, 1), value, dtype=dtype))
         inputs.append(tensor)
     return inputs
+
+
+def requested_outputs(**params) -> list[grpcclient.InferRequestedOutput]:
+    """text_output, the indices, and what the request's return_* flags ask for (asking for
+    every output by default would make the server build each of them)."""
+    names = ["text_output", "batch_index", "sequence_index"]
+    if params.get("return_log_probs"):
+        names += ["cum_log_probs", "output_log_probs"]
+    if params.get("return_perf_metrics"):
+        names += list(PERF_OUTPUTS)
+    for name in ("num_input_tokens", "num_output_tokens"):
+        if params.get(f"return_{name}"):
+            names.append(name)
+    return [grpcclient.InferRequestedOutput(name) for name in names]
 
 
 @dataclass
@@ -82,6 +108,7 @@ class GenerationResult:
     chunks: list[str] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # seconds since the request left
     metrics: dict[str, float] = field(default_factory=dict)  # acceptance_rate, ...
+    output_log_probs: list[float] = field(default_factory=list)  # with return_log_probs
     error: InferenceServerException | None = None
     elapsed: float = 0.0
 
@@ -113,39 +140,64 @@ class StreamingClient:
     def generate(
         self, prompt: str | bytes, timeout: float = 300.0, on_chunk=None, **params
     ) -> GenerationResult:
-        result = GenerationResult()
+        """One prompt, one sequence."""
+        return self.generate_all(prompt, timeout, on_chunk, **params)[(0, 0)]
+
+    def generate_all(
+        self, prompt: str | bytes | list, timeout: float = 300.0, on_chunk=None, **params
+    ) -> dict[tuple[int, int], GenerationResult]:
+        """One request of one prompt or a list of them: a result per (batch_index,
+        sequence_index). An error ends the request: every result carries it."""
+        results: dict[tuple[int, int], GenerationResult] = {}
         start = time.perf_counter()
         self.client.async_stream_infer(
-            self.model, build_inputs(prompt, **params), enable_empty_final_response=True
+            self.model,
+            build_inputs(prompt, **params),
+            outputs=requested_outputs(**params),
+            enable_empty_final_response=True,
         )
         while True:
             response, error = self.responses.get(timeout=timeout)
             now = time.perf_counter() - start
             if error is not None:
-                result.error = error
+                for result in results.values() or [results.setdefault((0, 0), GenerationResult())]:
+                    result.error = error
                 break
-            self._collect(response, result, now, on_chunk)
             final = response.get_response().parameters.get("triton_final_response")
+            if response.as_numpy("text_output") is not None:  # not the empty final one
+                result = results.setdefault(_indices(response), GenerationResult())
+                self._collect(response, result, now, on_chunk)
+                result.elapsed = now
             if final is not None and final.bool_param:
                 break
-        result.elapsed = time.perf_counter() - start
-        result.text = "".join(result.chunks)
-        return result
+        for result in results.values():
+            result.text = "".join(result.chunks)
+        return results
 
     @staticmethod
     def _collect(response, result: GenerationResult, now: float, on_chunk) -> None:
-        text = response.as_numpy("text_output")
-        if text is not None:
-            chunk = text.reshape(-1)[0].decode("utf-8")
-            if chunk:
-                result.chunks.append(chunk)
-                result.chunk_times.append(now)
-                if on_chunk is not None:
-                    on_chunk(chunk)
+        chunk = response.as_numpy("text_output")[0].decode("utf-8")  # 1-D, one sequence
+        if chunk:
+            result.chunks.append(chunk)
+            result.chunk_times.append(now)
+            if on_chunk is not None:
+                on_chunk(chunk)
         for name in METRIC_OUTPUTS:
             value = response.as_numpy(name)
             if value is not None:
-                result.metrics[name] = value.reshape(-1)[0].item()
+                result.metrics[name] = value[0][0].item()
+        log_probs = response.as_numpy("output_log_probs")
+        if log_probs is not None:
+            result.output_log_probs += log_probs[0][0].tolist()  # (1, 1, new tokens)
+
+
+def _indices(response) -> tuple[int, int]:
+    """(batch_index, sequence_index) of a response; 0 where the server sent none."""
+    values = []
+    for name in ("batch_index", "sequence_index"):
+        value = response.as_numpy(name)
+        values.append(0 if value is None else int(value[0][0]))
+    return values[0], values[1]
 
 
 def generate(

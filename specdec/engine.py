@@ -9,8 +9,11 @@ Both engine models take the same tensors and return the same tensors; only the w
           verify.
 - target: append each row's new tokens (pending tokens + the draft's proposals) and return,
           for the row's last `num_steps` positions, the target argmax (greedy rows) or the
-          target distribution (sampled rows).
+          target distribution (sampled rows); for greedy rows that ask (return_log_probs),
+          also the argmax's log-probability.
 Probabilities cross the model boundary only for sampled rows.
+Before either runs, the call copies cache prefixes between slots (copy_*): the sequences a
+request asks for with num_return_sequences share its prompt's cache, filled once.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ import numpy as np
 import torch
 
 from specdec.llama import LlamaEngine
-from specdec.sampling import RowSampling, greedy_tokens, probs_from_logits, sample_token
+from specdec.sampling import (
+    RowSampling,
+    block_end_tokens,
+    greedy_tokens,
+    probs_from_logits,
+    sample_token,
+)
 
 
 @dataclass
@@ -37,16 +46,32 @@ class EngineBatch:
     end_ids: np.ndarray  # (B,) int32, -1 = none
     min_tokens_left: np.ndarray  # (B,) int32, the end token is blocked at positions below this
     seeds: np.ndarray  # (B,) int64, the draft's sampling seed for this call
+    # Optional: an empty default is left out of the Triton call.
+    return_log_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    copy_src_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    copy_dst_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    copy_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in OPTIONAL_BATCH_FIELDS or getattr(self, f.name).size
+        }
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineBatch:
-        missing = [f.name for f in fields(cls) if f.name not in arrays]
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in arrays and n not in OPTIONAL_BATCH_FIELDS]
         if missing:
             raise ValueError(f"engine call misses tensors {missing}")
-        return cls(**{f.name: np.asarray(arrays[f.name]).reshape(-1) for f in fields(cls)})
+        return cls(**{n: np.asarray(arrays[n]).reshape(-1) for n in names if n in arrays})
+
+    def wants_log_probs(self) -> np.ndarray:
+        """(B,) bool: rows whose greedy tokens come with their log-probability."""
+        if not self.return_log_probs.size:
+            return np.zeros(len(self.slot_ids), dtype=np.bool_)
+        return self.return_log_probs.astype(np.bool_)
 
     def rows_sampling(self, rows: np.ndarray, positions: np.ndarray) -> RowSampling:
         """Sampling parameters for logits rows taken from batch rows `rows` at `positions`."""
@@ -72,6 +97,19 @@ def lookback_lengths(input_lengths: np.ndarray, temperature: np.ndarray) -> np.n
     return np.where(catching_up, np.minimum(input_lengths.astype(np.int64) - 1, LOOKBACK_TOKENS), 0)
 
 
+OPTIONAL_BATCH_FIELDS = ("return_log_probs", "copy_src_slots", "copy_dst_slots", "copy_lengths")
+
+
+def apply_copies(engine, batch: EngineBatch) -> None:
+    """Copies the first copy_lengths positions of each source slot's cache into its
+    destination slot, before the call writes anything."""
+    for src, dst, length in zip(
+        batch.copy_src_slots, batch.copy_dst_slots, batch.copy_lengths, strict=True
+    ):
+        if length > 0:
+            engine.copy_slot(int(src), int(dst), int(length))
+
+
 @dataclass
 class EngineResult:
     token_ids: np.ndarray  # (B, max num_steps) int64, -1 where a row has no token
@@ -80,6 +118,9 @@ class EngineResult:
     # guesses of its last n fed tokens, in order, each from the tokens before it
     # (n = lookback_lengths(...)[r]).
     lookback_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    # (B, max num_steps) float32, target only: log-probability of token_ids[r, j] for greedy
+    # rows with return_log_probs (0 elsewhere); (0, 0) when no row asked.
+    log_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -108,6 +149,7 @@ def _empty_result(batch: EngineBatch, vocab_size: int) -> EngineResult:
 
 def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     """Appends the rows' tokens and scores their last num_steps positions."""
+    apply_copies(engine, batch)
     result = _empty_result(batch, engine.config.vocab_size)
     logits = engine.forward(
         torch.from_numpy(batch.input_ids.astype(np.int64)),
@@ -124,6 +166,7 @@ def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
         picked = torch.nonzero(greedy).flatten()
         tokens = greedy_tokens(logits[picked], sampling.select(picked)).numpy()
         result.token_ids[rows[picked.numpy()], positions[picked.numpy()]] = tokens
+        _greedy_log_probs(result, batch, logits, sampling, rows, positions)
     if bool((~greedy).any()):
         picked = torch.nonzero(~greedy).flatten()
         probs = probs_from_logits(logits[picked], sampling.select(picked))
@@ -131,9 +174,26 @@ def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     return result
 
 
+def _greedy_log_probs(result, batch, logits, sampling, rows, positions) -> None:
+    """log_probs of the greedy rows that ask: the log-softmax (temperature 1, the end token
+    blocked where min_tokens says so) at the argmax each position emits."""
+    wanted = batch.wants_log_probs()[rows] & (batch.temperature[rows] == 0)
+    if not wanted.any():
+        return
+    index = np.nonzero(wanted)[0]
+    picked = torch.from_numpy(index)
+    chosen = block_end_tokens(logits[picked].float(), sampling.select(picked))
+    log_probs = torch.log_softmax(chosen, dim=-1)  # (R, V)
+    tokens = torch.from_numpy(result.token_ids[rows[index], positions[index]])
+    result.log_probs = np.zeros(result.token_ids.shape, dtype=np.float32)
+    values = log_probs.gather(-1, tokens[:, None]).squeeze(-1).numpy()
+    result.log_probs[rows[index], positions[index]] = values
+
+
 def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     """Appends the rows' tokens, guesses the last fed ones in hindsight, then proposes
     num_steps tokens per row (0: none), one step at a time."""
+    apply_copies(engine, batch)
     result = _empty_result(batch, engine.config.vocab_size)
     num_rows = len(batch.slot_ids)
     generators = [torch.Generator().manual_seed(int(s)) for s in batch.seeds]

@@ -353,6 +353,11 @@ class LlamaEngine:
         exact = torch.bmm(rows, h[:, :, None])[:, :, 0]  # (M, R)
         return logits.scatter_(1, top, exact)
 
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copies the first `length` cached positions of slot `src` into slot `dst`."""
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, dst, :, :length] = cache[:, src, :, :length]
+
     @torch.inference_mode()
     def forward(
         self,

@@ -100,6 +100,11 @@ class GraphEngine:
         """Runs the graph: [logits (b, L, head), new_key.0, new_value.0, ...]."""
         raise NotImplementedError
 
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copies the first `length` cached positions of slot `src` into slot `dst`."""
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, dst, :, :length] = cache[:, src, :, :length]
+
     @torch.inference_mode()
     def forward(
         self,

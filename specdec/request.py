@@ -24,10 +24,8 @@ class InvalidInput(ValueError):
 # loop's own process (specdec/ngram.py).
 PROPOSERS = ("draft_model", "ngram")
 
-# TensorRT-LLM inputs we accept only at their neutral value: name -> (neutral value, what).
+# TensorRT-LLM inputs we accept only at their neutral value: name -> neutral value.
 NEUTRAL_INPUTS: dict[str, float] = {
-    "beam_width": 1,
-    "num_return_sequences": 1,
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
@@ -35,7 +33,6 @@ NEUTRAL_INPUTS: dict[str, float] = {
 }
 # Inputs whose feature is not implemented: they must be false or absent.
 UNSUPPORTED_FLAGS = (
-    "return_log_probs",
     "return_context_logits",
     "return_generation_logits",
     "use_draft_logits",
@@ -59,6 +56,9 @@ class GenerationRequest:
     proposer: str | None = None  # "draft_model" or "ngram"; None: the server's proposers
     stream: bool = False
     exclude_input_in_output: bool = False
+    num_return_sequences: int = 1  # independent sequences from this prompt
+    batch_index: int = 0  # the prompt's row in its Triton request
+    return_log_probs: bool = False
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
@@ -121,8 +121,10 @@ def parse_request(
     max_draft_tokens: int,
     default_end_id: int,
     proposers: tuple[str, ...] = PROPOSERS,
+    max_return_sequences: int = 64,
 ) -> GenerationRequest:
-    """Builds a request from input tensors; raises InvalidInput naming the bad field.
+    """Builds a request from the input tensors of one prompt; raises InvalidInput naming
+    the bad field.
 
     `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids;
     `proposers` are the ones this server runs (a request may pick one of them).
@@ -196,6 +198,19 @@ def parse_request(
         allowed, got = ", ".join(proposers), ", ".join(proposer)
         raise InvalidInput("proposer", f"must be one of {allowed} (this server's), got {got}")
 
+    beam_width = _scalar(inputs, "beam_width", int, 1)
+    if beam_width != 1:
+        raise InvalidInput(
+            "beam_width",
+            f"beam search is not supported, only 1; got {beam_width} "
+            "(num_return_sequences gives independent sampled sequences)",
+        )
+    num_return_sequences = _scalar(inputs, "num_return_sequences", int, 1)
+    if not 1 <= num_return_sequences <= max_return_sequences:
+        raise InvalidInput(
+            "num_return_sequences",
+            f"must be in 1..{max_return_sequences}, got {num_return_sequences}",
+        )
     for name, neutral in NEUTRAL_INPUTS.items():
         value = _scalar(inputs, name, float if isinstance(neutral, float) else int, neutral)
         if value != neutral:
@@ -222,7 +237,62 @@ def parse_request(
         proposer=proposer[0] if proposer else None,
         stream=_scalar(inputs, "stream", bool, False),
         exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, False),
+        num_return_sequences=num_return_sequences,
+        return_log_probs=_scalar(inputs, "return_log_probs", bool, False),
         return_perf_metrics=_scalar(inputs, "return_perf_metrics", bool, False),
         return_num_input_tokens=_scalar(inputs, "return_num_input_tokens", bool, False),
         return_num_output_tokens=_scalar(inputs, "return_num_output_tokens", bool, False),
     )
+
+
+def batch_size(inputs: dict[str, np.ndarray]) -> int:
+    """Prompts in a request: the rows of text_input (or input_ids); 1 without either."""
+    for name in ("text_input", "input_ids"):
+        if name in inputs:
+            array = np.asarray(inputs[name])
+            return array.shape[0] if array.ndim >= 2 else 1
+    return 1
+
+
+def split_rows(inputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """A request of B prompts (every tensor [B, ...], as Triton batches them) as B requests
+    of one. A tensor of one row applies to every prompt. input_ids rows are cut to their
+    input_lengths (preprocessing pads them)."""
+    size = batch_size(inputs)
+    if size < 1:
+        raise InvalidInput("text_input", "no prompt in the request")
+    rows: list[dict[str, np.ndarray]] = [{} for _ in range(size)]
+    for name, value in inputs.items():
+        array = np.asarray(value)
+        if size > 1 and array.ndim >= 1 and array.shape[0] == size:
+            parts = [array[i : i + 1] for i in range(size)]
+        elif size == 1 or (array.ndim >= 1 and array.shape[0] == 1):
+            parts = [array] * size
+        else:
+            raise InvalidInput(name, f"{list(array.shape)[:1]} rows for a batch of {size} prompts")
+        for row, part in zip(rows, parts, strict=True):
+            row[name] = part
+    for row in rows:
+        lengths = row.pop("input_lengths", None)
+        if lengths is not None and "input_ids" in row:
+            length = int(np.asarray(lengths).reshape(-1)[0])
+            row["input_ids"] = np.asarray(row["input_ids"]).reshape(1, -1)[:, :length]
+    return rows
+
+
+def parse_requests(inputs: dict[str, np.ndarray], tokenize, **limits) -> list[GenerationRequest]:
+    """One GenerationRequest per prompt of a (possibly batched) request, each tagged with its
+    batch_index; a bad prompt refuses the whole request, naming the field and the index."""
+    rows = split_rows(inputs)
+    requests = []
+    for index, row in enumerate(rows):
+        try:
+            request = parse_request(row, tokenize, **limits)
+        except InvalidInput as error:
+            if len(rows) == 1:
+                raise
+            detail = str(error)[len(error.field) + 2 :]
+            raise InvalidInput(error.field, f"{detail} (batch_index {index})") from error
+        request.batch_index = index
+        requests.append(request)
+    return requests

@@ -5,7 +5,10 @@ One `step()` serves every running sequence: each row gets its draft tokens from 
 target call verifies all rows, and each row accepts its own prefix. Sequences join at step
 boundaries while KV slots are free and leave when done; the caches of both engines are
 addressed by the sequence's slot, and a rejected draft token is rolled back by a shorter
-cache length. This module never sees Triton: `Engines` is two calls.
+cache length. A request may carry several prompts and ask for several sequences of each
+(num_return_sequences): every one is a row of its own; the first sequence of a prompt
+fills the prompt's cache and the others copy it into their slots at their first step.
+This module never sees Triton: `Engines` is two calls.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +72,16 @@ class SequenceStats:
 
 
 @dataclass
+class SequenceTimes:
+    """Unix time in ns (TensorRT-LLM's *_time_ns outputs); 0 until it happened."""
+
+    arrival_ns: int = 0  # submitted
+    first_scheduled_ns: int = 0  # got its slot
+    first_token_ns: int = 0  # its first output token was committed
+    last_token_ns: int = 0  # its latest output token was committed
+
+
+@dataclass
 class IterationStats:
     """What the last step did, for metrics."""
 
@@ -100,10 +115,21 @@ class Sequence:
     stats: SequenceStats = field(default_factory=SequenceStats)
     finish_reason: str | None = None  # "end", "length", "stop", "cancelled", "error"
     cancelled: bool = False
+    sequence_index: int = 0  # which of its prompt's num_return_sequences
+    parent: Sequence | None = None  # its prompt's first sequence, whose prompt cache it copies
+    copy_source_slot: int = -1  # >= 0: copy the prompt's cache from there at the first step
+    num_copied_positions: int = 0  # cache positions copied instead of computed
+    output_log_probs: list[float] = field(default_factory=list)  # one per output token
+    times: SequenceTimes = field(default_factory=SequenceTimes)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.request.prompt_ids)
+
+    @property
+    def num_cache_positions(self) -> int:
+        """Positions of its target slot it holds (copied ones included)."""
+        return max(self.target_cache_length, self.num_copied_positions)
 
 
 @dataclass
@@ -120,10 +146,17 @@ class QueueFull(RuntimeError):
 
 
 class SpeculativeScheduler:
-    def __init__(self, engines: Engines, config: SchedulerConfig, decode: Decode) -> None:
+    def __init__(
+        self,
+        engines: Engines,
+        config: SchedulerConfig,
+        decode: Decode,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
         self.engines = engines
         self.config = config
         self.decode = decode
+        self.clock = clock  # for SequenceTimes
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         # A heap: the lowest free slot first, so a batch's slots stay close together (the
@@ -143,21 +176,44 @@ class SpeculativeScheduler:
 
     # -- joining and leaving ---------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Sequence:
+        """Queues a request; returns its first sequence (see submit_all for the others)."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[GenerationRequest]) -> list[Sequence]:
+        """Queues every sequence of one client request (each prompt's num_return_sequences,
+        in order), all or none."""
+        count = sum(r.num_return_sequences for r in requests)
         # Requests that will get a free slot at the next step are not queued behind anyone.
-        if len(self.waiting) >= self.config.max_queue + len(self.free_slots):
+        if len(self.waiting) + count > self.config.max_queue + len(self.free_slots):
             raise QueueFull(f"queue full ({self.config.max_queue} requests waiting for a slot)")
+        now = self.clock()
+        sequences = []
+        for request in requests:
+            parent = None
+            for index in range(request.num_return_sequences):
+                sequence = self._new_sequence(request, index, parent)
+                sequence.times.arrival_ns = now
+                parent = parent or sequence
+                sequences.append(sequence)
+        self.waiting.extend(sequences)
+        return sequences
+
+    def _new_sequence(self, request: GenerationRequest, index: int, parent) -> Sequence:
         generator = torch.Generator()
-        generator.manual_seed(request.seed if request.seed is not None else generator.seed())
-        sequence = Sequence(
+        if request.seed is None:
+            generator.seed()
+        else:  # the request's seed for its first sequence; the others get their own
+            generator.manual_seed((request.seed + index * 0x9E3779B97F4A7C15) % 2**63)
+        return Sequence(
             request=request,
             detokenizer=IncrementalDetokenizer(self.decode, request.stop_words),
             generator=generator,
             id=next(self._ids),
             token_ids=list(request.prompt_ids),
             ngram_index=NgramIndex(self.config.ngram_match_lengths),
+            sequence_index=index,
+            parent=parent,
         )
-        self.waiting.append(sequence)
-        return sequence
 
     def cancel(self, sequence: Sequence) -> None:
         sequence.cancelled = True
@@ -178,14 +234,51 @@ class SpeculativeScheduler:
 
     def _admit(self) -> int:
         admitted = 0
+        now = self.clock()
         while self.waiting and self.free_slots:
             sequence = self.waiting.popleft()
             if sequence.cancelled:
                 continue
             sequence.slot = heapq.heappop(self.free_slots)
+            sequence.times.first_scheduled_ns = now
+            parent = sequence.parent
+            # The parent's slot holds the prompt (once prefilled) for as long as it runs.
+            if parent is not None and parent.slot >= 0 and len(sequence.token_ids) > 1:
+                sequence.copy_source_slot = parent.slot
             self.running.append(sequence)
             admitted += 1
         return admitted
+
+    @staticmethod
+    def _ready(sequence: Sequence) -> bool:
+        """False while the sequence waits for its parent's prefill to copy it."""
+        parent = sequence.parent
+        if sequence.copy_source_slot < 0 or parent.stats.num_target_passes > 0:
+            return True
+        if parent.slot < 0 or parent.cancelled:  # nothing to copy after all: prefill
+            sequence.copy_source_slot = -1
+            return True
+        return False
+
+    @staticmethod
+    def _plan_copies(batch: list[Sequence], drafting: bool) -> tuple[list, list]:
+        """(target copies, draft copies) as (source slot, slot, positions) for the rows that
+        start from their parent's prompt cache; sets their cache lengths to match. The
+        draft's copy rides on this step's draft call; without one the draft catches up."""
+        target_copies, draft_copies = [], []
+        for sequence in batch:
+            if sequence.copy_source_slot < 0:
+                continue
+            source, parent = sequence.copy_source_slot, sequence.parent
+            length = len(sequence.request.prompt_ids) - 1  # the last prompt token is fed
+            target_copies.append((source, sequence.slot, length))
+            sequence.target_cache_length = sequence.num_copied_positions = length
+            draft_length = min(parent.draft_cache_length, length)
+            if drafting and draft_length > 0:
+                draft_copies.append((source, sequence.slot, draft_length))
+                sequence.draft_cache_length = draft_length
+            sequence.copy_source_slot = -1
+        return target_copies, draft_copies
 
     def _drop_cancelled(self) -> list[Sequence]:
         cancelled = [s for s in self.running if s.cancelled]
@@ -346,18 +439,19 @@ class SpeculativeScheduler:
         if self._drop_cancelled():
             self._timed_step = None
         admitted = self._admit()
-        batch = list(self.running)
+        batch = [s for s in self.running if self._ready(s)]
         if not batch:
             return []
         step_start = time.perf_counter()
         self._close_timed_step(step_start)
         choice, all_adaptive, lookback_row = self._choose_num_draft_tokens(batch)
         drafting = [s for s in batch if s.proposer == "draft_model" or s is lookback_row]
-        proposals = self._propose(drafting) if drafting else {}
+        target_copies, draft_copies = self._plan_copies(batch, bool(drafting))
+        proposals = self._propose(drafting, draft_copies) if drafting else {}
         for sequence in batch:
             if sequence.proposer == "ngram":
                 proposals[sequence.id] = (sequence.ngram_proposal, None)  # point masses
-        target_batch = self._target_batch(batch, proposals)
+        target_batch = self._target_batch(batch, proposals, target_copies)
         start = time.perf_counter()
         result = self.engines.target(target_batch)
         if not admitted:  # a prefill is not what a decode step costs
@@ -374,10 +468,12 @@ class SpeculativeScheduler:
             draft_ids, draft_probs = proposals.get(sequence.id, ([], None))
             if sequence.request.greedy:
                 verdict = verify_greedy(draft_ids, result.token_ids[row, : k + 1].tolist())
+                log_probs = result.log_probs[row] if result.log_probs.size else None
             else:
                 target_probs = torch.from_numpy(result.probs[probs_row : probs_row + k + 1])
                 probs_row += k + 1
                 verdict = rejection_sample(draft_ids, draft_probs, target_probs, sequence.generator)
+                log_probs = target_probs  # (k + 1, V): emitted token j has p[j, token]
             if sequence.proposer == "ngram":
                 self._observe_lookup(sequence, verdict.num_accepted)
             else:
@@ -387,7 +483,7 @@ class SpeculativeScheduler:
                 counts[0] += k
                 counts[1] += verdict.num_accepted
             before = sequence.num_output_tokens
-            updates.append(self._commit(sequence, verdict))
+            updates.append(self._commit(sequence, verdict, log_probs))
             stats.num_draft_tokens += k
             stats.num_accepted_draft_tokens += verdict.num_accepted
             stats.emitted_per_row.append(sequence.num_output_tokens - before)
@@ -415,12 +511,15 @@ class SpeculativeScheduler:
                     self.controller.observe_iteration(batch_size, k, now - start)
         self._timed_step = None
 
-    def _propose(self, drafting: list[Sequence]) -> dict[int, tuple[list[int], torch.Tensor]]:
+    def _propose(
+        self, drafting: list[Sequence], copies: list[tuple[int, int, int]]
+    ) -> dict[int, tuple[list[int], torch.Tensor]]:
         batch = self._engine_batch(
             drafting,
             pending=[s.token_ids[s.draft_cache_length :] for s in drafting],
             cache_lengths=[s.draft_cache_length for s in drafting],
             num_steps=[s.num_draft_tokens for s in drafting],
+            copies=copies,
         )
         start = time.perf_counter()
         result = self.engines.draft(batch)
@@ -454,8 +553,10 @@ class SpeculativeScheduler:
         hits = sum(g == t for g, t in zip(guesses[skip:], actual, strict=True))
         self.controller.observe_lookback(hits, len(actual))
 
-    def _target_batch(self, batch: list[Sequence], proposals: dict) -> EngineBatch:
-        return self._engine_batch(
+    def _target_batch(
+        self, batch: list[Sequence], proposals: dict, copies: list[tuple[int, int, int]]
+    ) -> EngineBatch:
+        target_batch = self._engine_batch(
             batch,
             pending=[
                 s.token_ids[s.target_cache_length :] + proposals.get(s.id, ([], None))[0]
@@ -463,7 +564,12 @@ class SpeculativeScheduler:
             ],
             cache_lengths=[s.target_cache_length for s in batch],
             num_steps=[s.num_draft_tokens + 1 for s in batch],
+            copies=copies,
         )
+        wanted = [s.request.return_log_probs and s.request.greedy for s in batch]
+        if any(wanted):
+            target_batch.return_log_probs = np.array(wanted, dtype=np.bool_)
+        return target_batch
 
     def _engine_batch(
         self,
@@ -471,8 +577,10 @@ class SpeculativeScheduler:
         pending: list[list[int]],
         cache_lengths: list[int],
         num_steps: list[int],
+        copies: list[tuple[int, int, int]] = (),
     ) -> EngineBatch:
         requests = [s.request for s in rows]
+        copy_columns = np.array(copies, dtype=np.int32).reshape(-1, 3).T  # (3, C)
         return EngineBatch(
             input_ids=np.array([t for p in pending for t in p], dtype=np.int64),
             input_lengths=np.array([len(p) for p in pending], dtype=np.int32),
@@ -491,19 +599,27 @@ class SpeculativeScheduler:
                 [int(torch.randint(2**62, (), generator=s.generator)) for s in rows],
                 dtype=np.int64,
             ),
+            copy_src_slots=copy_columns[0].copy(),
+            copy_dst_slots=copy_columns[1].copy(),
+            copy_lengths=copy_columns[2].copy(),
         )
 
-    def _commit(self, sequence: Sequence, verdict: Verdict) -> Update:
-        """Appends the verdict's tokens up to the first stop condition."""
+    def _commit(self, sequence: Sequence, verdict: Verdict, log_probs=None) -> Update:
+        """Appends the verdict's tokens up to the first stop condition. `log_probs`: the
+        target's log-probabilities by position ((k + 1,) greedy) or its (k + 1, V)
+        distributions (sampled), kept when the request returns log-probs."""
         request = sequence.request
         sequence.stats.num_target_passes += 1
         sequence.stats.num_draft_tokens += sequence.num_draft_tokens
         sequence.stats.num_accepted_draft_tokens += verdict.num_accepted
-        for token in verdict.token_ids:
+        num_before = sequence.num_output_tokens
+        for position, token in enumerate(verdict.token_ids):
             if token == request.end_id:
                 sequence.finish_reason = "end"
                 break
             sequence.token_ids.append(token)
+            if request.return_log_probs:
+                sequence.output_log_probs.append(_log_prob(log_probs, position, token))
             if sequence.detokenizer.add(token):
                 sequence.finish_reason = "stop"
             elif sequence.num_output_tokens >= request.max_tokens:
@@ -512,6 +628,10 @@ class SpeculativeScheduler:
                 sequence.finish_reason = "length"
             if sequence.finish_reason:
                 break
+        if sequence.num_output_tokens > num_before:
+            now = self.clock()
+            sequence.times.first_token_ns = sequence.times.first_token_ns or now
+            sequence.times.last_token_ns = now
         # Valid cache prefixes: everything but the newest token (it was never fed).
         sequence.target_cache_length = len(sequence.token_ids) - 1
         sequence.draft_cache_length = min(sequence.draft_cache_length, len(sequence.token_ids) - 1)
@@ -520,3 +640,14 @@ class SpeculativeScheduler:
             self._release(sequence)
         text = sequence.detokenizer.take(final=finished) if (request.stream or finished) else ""
         return Update(sequence, text, finished)
+
+
+def _log_prob(log_probs, position: int, token: int) -> float:
+    """The emitted token's log-probability: from the engine's per-position values (greedy)
+    or the target distribution it was drawn from (sampled; a recovered token's marginal is
+    the target's, which rejection sampling preserves)."""
+    if log_probs is None:
+        return 0.0
+    if isinstance(log_probs, torch.Tensor):
+        return math.log(max(float(log_probs[position, token]), 1e-45))
+    return float(log_probs[position])

@@ -36,12 +36,19 @@ class FakeEngines:
         self.draft_cache: dict[int, list[int]] = {s: [] for s in range(num_slots)}
         self.target_cache: dict[int, list[int]] = {s: [] for s in range(num_slots)}
         self.calls: list[tuple[str, int]] = []  # (role, batch size)
+        self.input_lengths: list[tuple[str, list[int]]] = []  # (role, tokens fed per row)
+        self.copies: list[tuple[int, int, int]] = []  # (source slot, slot, positions)
         self.fail_on_call = fail_on_call
 
     def _append(self, cache, batch: EngineBatch) -> list[list[int]]:
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             self.fail_on_call = None  # fail once
             raise RuntimeError("scripted engine failure")
+        for src, dst, length in zip(
+            batch.copy_src_slots, batch.copy_dst_slots, batch.copy_lengths, strict=True
+        ):
+            cache[int(dst)] = cache[int(src)][: int(length)]
+            self.copies.append((int(src), int(dst), int(length)))
         rows, start = [], 0
         for slot, length, cached in zip(
             batch.slot_ids, batch.input_lengths, batch.cache_lengths, strict=True
@@ -57,6 +64,7 @@ class FakeEngines:
     def draft(self, batch: EngineBatch) -> EngineResult:
         rows = self._append(self.draft_cache, batch)
         self.calls.append(("draft", len(rows)))
+        self.input_lengths.append(("draft", batch.input_lengths.tolist()))
         out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
         guessed = lookback_lengths(batch.input_lengths, batch.temperature)
         lookback = np.full((len(rows), max(guessed)), -1, dtype=np.int64)
@@ -73,12 +81,16 @@ class FakeEngines:
     def target(self, batch: EngineBatch) -> EngineResult:
         rows = self._append(self.target_cache, batch)
         self.calls.append(("target", len(rows)))
+        self.input_lengths.append(("target", batch.input_lengths.tolist()))
         out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
         for r, held in enumerate(rows):
             n = int(batch.num_steps[r])
             for j in range(n):
                 out[r, j] = oracle_next(held[: len(held) - n + 1 + j])
-        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32))
+        result = EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32))
+        if batch.wants_log_probs().any():  # a log-probability that depends on the prefix only
+            result.log_probs = np.where(out >= 0, -0.01 * (out + 1), 0).astype(np.float32)
+        return result
 
 
 def fake_decode(token_ids) -> str:

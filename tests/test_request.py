@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.request import InvalidInput, parse_request
+from specdec.request import InvalidInput, parse_request, parse_requests, split_rows
 
 
 def tokenize(text: str) -> list[int]:
@@ -63,9 +63,13 @@ def test_defaults():
         ("num_draft_tokens", {**GOOD, "num_draft_tokens": i32(9)}),
         ("min_length", {**GOOD, "min_length": i32(-1)}),
         ("beam_width", {**GOOD, "beam_width": i32(2)}),
-        ("num_return_sequences", {**GOOD, "num_return_sequences": i32(3)}),
+        ("beam_width", {**GOOD, "beam_width": i32(0)}),
+        ("num_return_sequences", {**GOOD, "num_return_sequences": i32(0)}),
+        ("num_return_sequences", {**GOOD, "num_return_sequences": i32(-2)}),
+        ("num_return_sequences", {**GOOD, "num_return_sequences": i32(65)}),  # over the limit
         ("repetition_penalty", {**GOOD, "repetition_penalty": f32(1.2)}),
-        ("return_log_probs", {**GOOD, "return_log_probs": np.array([[True]])}),
+        ("return_context_logits", {**GOOD, "return_context_logits": np.array([[True]])}),
+        ("return_generation_logits", {**GOOD, "return_generation_logits": np.array([[True]])}),
         ("bad_words", {**GOOD, "bad_words": text("no")}),
         ("stop_words", {**GOOD, "stop_words": np.array([[b"a"], [b"b"]], dtype=np.object_)}),
         ("stream", {**GOOD, "stream": i32(1)}),
@@ -125,3 +129,77 @@ def test_proposer_is_one_of_the_servers():
             default_end_id=2,
             proposers=("draft_model",),
         )
+
+
+def test_num_return_sequences_and_log_probs_are_served():
+    request = parse(
+        **GOOD, num_return_sequences=i32(3), return_log_probs=np.array([[True]]), beam_width=i32(1)
+    )
+    assert request.num_return_sequences == 3 and request.return_log_probs
+
+
+def test_beam_search_refusal_says_what_to_use_instead():
+    with pytest.raises(InvalidInput, match="beam_width: beam search is not supported.*got 2"):
+        parse(**GOOD, beam_width=i32(2))
+
+
+def parse_all(**inputs):
+    limits = dict(max_context=16, max_draft_tokens=8, default_end_id=2)
+    return parse_requests(inputs, tokenize, **limits)
+
+
+def test_a_batch_of_prompts_is_one_request_each_with_its_batch_index():
+    prompts = np.array([[b"ab"], [b"cde"], [b"f"]], dtype=np.object_)
+    requests = parse_all(
+        text_input=prompts,
+        max_tokens=np.array([[4], [5], [6]], dtype=np.int32),
+        temperature=f32(0.5),  # one row: applies to every prompt
+        stop_words=np.array([[b"x"], [b"y"], [b"z"]], dtype=np.object_),
+    )
+    assert [r.prompt for r in requests] == ["ab", "cde", "f"]
+    assert [r.max_tokens for r in requests] == [4, 5, 6]
+    assert [r.batch_index for r in requests] == [0, 1, 2]
+    assert [r.stop_words for r in requests] == [["x"], ["y"], ["z"]]
+    assert all(r.temperature == 0.5 for r in requests)
+
+
+def test_padded_input_ids_are_cut_to_their_lengths():
+    rows = split_rows(
+        {
+            "input_ids": np.array([[5, 6, 0], [7, 8, 9]], dtype=np.int32),
+            "input_lengths": np.array([[2], [3]], dtype=np.int32),
+            "max_tokens": i32(4),
+        }
+    )
+    assert [r["input_ids"].tolist() for r in rows] == [[[5, 6]], [[7, 8, 9]]]
+    assert all("input_lengths" not in r for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("field", "inputs", "message"),
+    [
+        (
+            "max_tokens",
+            {"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_), "max_tokens": i32(0)},
+            "max_tokens: must be > 0, got 0 (batch_index 0)",
+        ),
+        (
+            "text_input",
+            {"text_input": np.array([[b"a"], [b""]], dtype=np.object_), "max_tokens": i32(2)},
+            "text_input: empty prompt (batch_index 1)",
+        ),
+        (
+            "max_tokens",
+            {
+                "text_input": np.array([[b"a"], [b"b"], [b"c"]], dtype=np.object_),
+                "max_tokens": np.array([[1], [2]], dtype=np.int32),
+            },
+            "max_tokens: [2] rows for a batch of 3 prompts",
+        ),
+    ],
+)
+def test_a_bad_prompt_in_a_batch_refuses_the_request_naming_field_and_index(field, inputs, message):
+    with pytest.raises(InvalidInput) as raised:
+        parse_all(**inputs)
+    assert raised.value.field == field
+    assert str(raised.value) == message

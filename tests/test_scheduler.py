@@ -214,3 +214,78 @@ def test_a_probe_scores_the_drafts_guesses_of_plain_tokens_without_a_verify(monk
     monkeypatch.undo()
     run_all(scheduler)
     assert sequence.token_ids[3:] == oracle_continuation([5, 6, 7], 40)
+
+
+def test_return_sequences_prefill_once_and_copy_the_prompt_cache():
+    scheduler, engines = make_scheduler(num_slots=4, k=2)
+    prompt = [4, 9, 11, 2, 7]
+    group = scheduler.submit_all([request(prompt, 12, num_return_sequences=3)])
+    assert [s.sequence_index for s in group] == [0, 1, 2]
+    updates = run_all(scheduler)
+    for s in group:  # greedy: each equals target greedy decoding
+        assert s.token_ids[len(prompt) :] == oracle_continuation(prompt, 12)
+    # The prompt went through the target once (with k = 2 proposals); the copies fed only
+    # its last token, with theirs.
+    first_target = [lengths for role, lengths in engines.input_lengths if role == "target"][:2]
+    assert first_target[0] == [len(prompt) + 2]
+    assert first_target[1][1:] == [1 + 2, 1 + 2]
+    # From the parent's slot (0, the lowest) into the others, in both engines.
+    assert sorted(engines.copies) == [(0, 1, 4), (0, 1, 4), (0, 2, 4), (0, 2, 4)]
+    assert all(s.num_copied_positions == len(prompt) - 1 for s in group[1:])
+    assert group[0].num_copied_positions == 0
+    assert sum(u.finished for u in updates) == 3
+
+
+def test_copies_wait_for_the_parents_prefill_and_survive_its_end():
+    """A parent that ends at its prefill step (max_tokens 1) frees its slot; the copies,
+    made at the start of the next call, still read the prompt from it."""
+    scheduler, engines = make_scheduler(num_slots=3, k=0)
+    prompt = [3, 5, 8]
+    first, second = scheduler.submit_all([request(prompt, 1, num_return_sequences=2)])
+    scheduler.step()
+    assert first.finish_reason == "length" and second.num_output_tokens == 0
+    run_all(scheduler)
+    assert second.token_ids[3:] == oracle_continuation(prompt, 1)
+    assert engines.copies[0][2] == len(prompt) - 1
+
+
+def test_a_batch_of_prompts_runs_as_rows_of_their_own():
+    scheduler, _ = make_scheduler(num_slots=4, k=2)
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    requests = [request(p, 10 + i) for i, p in enumerate(prompts)]
+    for i, r in enumerate(requests):
+        r.batch_index = i
+    sequences = scheduler.submit_all(requests)
+    run_all(scheduler)
+    for i, (p, s) in enumerate(zip(prompts, sequences, strict=True)):
+        assert s.request.batch_index == i and s.sequence_index == 0
+        assert s.token_ids[len(p) :] == oracle_continuation(p, 10 + i)
+
+
+def test_a_request_group_is_queued_whole_or_not_at_all():
+    scheduler, _ = make_scheduler(num_slots=1, max_queue=2)
+    with pytest.raises(QueueFull):
+        scheduler.submit_all([request([1], 5, num_return_sequences=4)])
+    assert not scheduler.waiting
+    scheduler.submit_all([request([1], 5, num_return_sequences=3)])
+    assert len(scheduler.waiting) == 3
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_log_probs_are_the_targets_and_do_not_depend_on_k(k):
+    scheduler, _ = make_scheduler(k=k)
+    s = scheduler.submit(request([2, 7], 25, return_log_probs=True))
+    run_all(scheduler)
+    output = s.token_ids[2:]
+    assert s.output_log_probs == pytest.approx([-0.01 * (t + 1) for t in output])
+
+
+def test_times_are_ordered_and_come_from_the_clock():
+    scheduler, _ = make_scheduler(k=2)
+    ticks = iter(range(1000, 100_000, 10))
+    scheduler.clock = lambda: next(ticks)
+    s = scheduler.submit(request([1, 2], 9))
+    run_all(scheduler)
+    times = s.times
+    assert 0 < times.arrival_ns < times.first_scheduled_ns < times.first_token_ns
+    assert times.first_token_ns < times.last_token_ns

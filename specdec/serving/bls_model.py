@@ -1,22 +1,25 @@
 """Glue of speculative_decoding: the decoupled BLS model that runs the batching loop.
 
 execute() only validates and enqueues; one loop thread owns the scheduler, calls the engine
-models (non-decoupled, one call each per iteration) and sends every response. Each request
-ends with exactly one FINAL response on every path: success, bad input, engine error,
-cancellation, shutdown.
+models (non-decoupled, one call each per iteration) and sends every response. A request
+of several prompts, or of num_return_sequences > 1, runs one sequence per prompt and
+sequence; their responses share the request's sender (tagged with batch_index and
+sequence_index, specdec/responses.py). Each request ends with exactly one FINAL response on
+every path: success, bad input, engine error, cancellation, shutdown.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec.engine import EngineBatch, EngineResult
-from specdec.request import PROPOSERS, InvalidInput, parse_request
+from specdec.request import PROPOSERS, InvalidInput, parse_requests
+from specdec.responses import response_arrays
 from specdec.scheduler import QueueFull, SchedulerConfig, Sequence, SpeculativeScheduler, Update
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
@@ -43,12 +46,12 @@ class TritonEngines:
         ).exec()
         if response.has_error():
             raise RuntimeError(f"{model}: {response.error().message()}")
-        return EngineResult.from_arrays(
-            {
-                name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()
-                for name in ENGINE_OUTPUTS
-            }
-        )
+        outputs = {}
+        for name in ENGINE_OUTPUTS:
+            tensor = pb_utils.get_output_tensor_by_name(response, name)
+            if tensor is not None:  # an engine model may leave out an empty optional one
+                outputs[name] = tensor.as_numpy()
+        return EngineResult.from_arrays(outputs)
 
     def draft(self, batch: EngineBatch) -> EngineResult:
         return self._call(self.draft_model, batch)
@@ -71,8 +74,24 @@ def parse_proposers(value: str) -> tuple[str, ...]:
     return names
 
 
-def _tensor(name: str, value, dtype) -> pb_utils.Tensor:
-    return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))  # (1, 1): batch of one
+@dataclass
+class Client:
+    """One Triton request: its sender, and the sequences that answer on it."""
+
+    request: object
+    sender: object
+    requested: set[str] | None  # output names the client asked for
+    num_open: int  # sequences not yet finished: the last one's response is FINAL
+    sequences: list[Sequence] = field(default_factory=list)
+    sent_log_probs: dict[int, int] = field(default_factory=dict)  # sequence id -> count sent
+    ended: bool = False
+
+
+def requested_outputs(request) -> set[str] | None:
+    try:
+        return set(request.requested_output_names())
+    except AttributeError:  # an older python backend: build them all
+        return None
 
 
 class TritonPythonModel:
@@ -91,12 +110,13 @@ class TritonPythonModel:
         )
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
+        self.max_return_sequences = self.config.num_slots  # more would never run at once
         self.inputs = input_names(args)
         self.metrics = LoopMetrics(
             args["model_name"], self.config.max_draft_tokens, self.config.num_slots
         )
-        # Sequence id -> (request, response sender); guarded by self.lock with the scheduler.
-        self.clients: dict[int, tuple[object, object]] = {}
+        # Sequence id -> its request's Client; guarded by self.lock with the scheduler.
+        self.clients: dict[int, Client] = {}
         self.lock = threading.Condition()
         self.stopping = False
         self.loop_thread = threading.Thread(target=self._loop, name="speculative-loop", daemon=True)
@@ -107,19 +127,23 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                generation = parse_request(
+                generations = parse_requests(
                     read_inputs(request, self.inputs),
                     tokenize=self.tokenizer.encode,
                     max_context=self.config.max_context,
                     max_draft_tokens=self.config.max_draft_tokens,
                     default_end_id=self.tokenizer.eos_token_id,
                     proposers=self.config.proposers,
+                    max_return_sequences=self.max_return_sequences,
                 )
                 with self.lock:
                     if self.stopping:
                         raise QueueFull("server is shutting down")
-                    sequence = self.scheduler.submit(generation)
-                    self.clients[sequence.id] = (request, sender)
+                    sequences = self.scheduler.submit_all(generations)
+                    client = Client(request, sender, requested_outputs(request), len(sequences))
+                    client.sequences = sequences
+                    for sequence in sequences:
+                        self.clients[sequence.id] = client
                     self.lock.notify()
             except InvalidInput as error:
                 self.metrics.finished("invalid")
@@ -174,56 +198,51 @@ class TritonPythonModel:
                     self._respond(update)
 
     def _mark_cancelled(self) -> None:
-        """Once per iteration (it crosses a process boundary): drop cancelled streams."""
+        """Once per iteration (it crosses a process boundary, so once per request): drop
+        cancelled streams, every sequence of the request."""
+        checked = set()
         for sequence in list(self.scheduler.running) + list(self.scheduler.waiting):
-            request, _ = self.clients[sequence.id]
-            if request.is_cancelled():
-                self.scheduler.cancel(sequence)
+            client = self.clients.get(sequence.id)
+            if client is None or id(client) in checked:
+                continue
+            checked.add(id(client))
+            if client.request.is_cancelled():
+                for member in client.sequences:
+                    if member.id in self.clients:
+                        self.scheduler.cancel(member)
+                        self.metrics.finished("cancelled")
                 self._end(sequence, "request cancelled", pb_utils.TritonError.CANCELLED)
-                self.metrics.finished("cancelled")
 
     def _end(self, sequence: Sequence, message: str, code=None) -> None:
+        """Ends the sequence's request with an error (once), and with it its other sequences."""
         client = self.clients.pop(sequence.id, None)
-        if client is not None:
-            self._send_error(client[1], message, code)
+        if client is None or client.ended:
+            return
+        client.ended = True
+        for member in client.sequences:
+            self.clients.pop(member.id, None)
+        self._send_error(client.sender, message, code)
 
     def _respond(self, update: Update) -> None:
         sequence = update.sequence
-        request = sequence.request
-        if not update.finished and not update.text:
-            return  # nothing new to say this iteration
-        prefix = ""
-        if not request.stream and not request.exclude_input_in_output:
-            prefix = request.prompt or ""
+        client = self.clients.get(sequence.id)
+        if client is None or (not update.finished and not update.text):
+            return  # ended already, or nothing new to say this iteration
         # The ensemble's text too: a step after this one would be refused once the server
         # stops, and Triton 2.51's ensemble then never ends the stream (ensemble config).
-        text = prefix + update.text
-        tensors = [_tensor("text_output", text.encode("utf-8"), np.object_)]
-        if update.finished:
-            tensors += self._final_tensors(sequence)
-        client = self.clients[sequence.id]
+        arrays = response_arrays(
+            sequence, update.text, client.sent_log_probs.get(sequence.id, 0), client.requested
+        )
+        client.sent_log_probs[sequence.id] = len(sequence.output_log_probs)
+        flags = 0
         if update.finished:
             del self.clients[sequence.id]
-        client[1].send(
-            pb_utils.InferenceResponse(output_tensors=tensors),
-            flags=FINAL if update.finished else 0,
-        )
-
-    @staticmethod
-    def _final_tensors(sequence: Sequence) -> list:
-        request, stats = sequence.request, sequence.stats
-        tensors = []
-        if request.return_perf_metrics:
-            tensors += [
-                _tensor("acceptance_rate", stats.acceptance_rate, np.float32),
-                _tensor("total_accepted_draft_tokens", stats.num_accepted_draft_tokens, np.int32),
-                _tensor("total_draft_tokens", stats.num_draft_tokens, np.int32),
-            ]
-        if request.return_num_input_tokens:
-            tensors.append(_tensor("num_input_tokens", len(request.prompt_ids), np.int32))
-        if request.return_num_output_tokens:
-            tensors.append(_tensor("num_output_tokens", sequence.num_output_tokens, np.int32))
-        return tensors
+            client.num_open -= 1
+            if client.num_open == 0:
+                client.ended = True
+                flags = FINAL
+        tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+        client.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
     def finalize(self) -> None:
         with self.lock:

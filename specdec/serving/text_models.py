@@ -21,17 +21,31 @@ class Preprocessing:
     def execute(self, requests):
         responses = []
         for request in requests:
-            texts = read_inputs(request, ["text_input"]).get("text_input")
-            if texts is None or texts.size != 1:
-                responses.append(_error_response("text_input: required, one prompt per request"))
-                continue
             try:
-                prompt = texts.reshape(-1)[0].decode("utf-8")
-            except UnicodeDecodeError:
-                responses.append(_error_response("text_input: not valid UTF-8"))
+                ids, lengths = self._tokenize(
+                    read_inputs(request, ["text_input"]).get("text_input")
+                )
+            except ValueError as error:
+                responses.append(_error_response(str(error)))
                 continue
-            ids = np.array([self.tokenizer.encode(prompt)], dtype=np.int32)  # (1, n)
-            responses.append(
-                pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("input_ids", ids)])
-            )
+            tensors = [pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("input_lengths", lengths)]
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
+
+    def _tokenize(self, texts) -> tuple[np.ndarray, np.ndarray]:
+        """(B, 1) prompts -> (B, L) int32 ids, padded with 0, and (B, 1) int32 lengths."""
+        if texts is None or texts.size == 0:
+            raise ValueError("text_input: required")
+        if texts.ndim != 2 or texts.shape[1] != 1:
+            raise ValueError(f"text_input: one prompt per row, got shape {list(texts.shape)}")
+        rows = []
+        for index, raw in enumerate(texts.reshape(-1)):
+            try:
+                rows.append(self.tokenizer.encode(raw.decode("utf-8")))
+            except UnicodeDecodeError:
+                where = f" (batch_index {index})" if len(texts) > 1 else ""
+                raise ValueError(f"text_input: not valid UTF-8{where}") from None
+        ids = np.zeros((len(rows), max(1, *(len(r) for r in rows))), dtype=np.int32)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = row
+        return ids, np.array([[len(r)] for r in rows], dtype=np.int32)
