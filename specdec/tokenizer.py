@@ -20,10 +20,13 @@ class TextTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, user_message: str) -> str:
-        messages = [{"role": "user", "content": user_message}]
+    def apply_chat_template(self, conversation: str | list[dict[str, str]]) -> str:
+        """The model's prompt for one user message, or for a list of {"role", "content"}
+        messages; ends with the assistant's turn opened."""
+        if isinstance(conversation, str):
+            conversation = [{"role": "user", "content": conversation}]
         return self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            conversation, tokenize=False, add_generation_prompt=True
         )
 
 

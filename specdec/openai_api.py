@@ -1,0 +1,346 @@
+"""An OpenAI-compatible HTTP API over the BLS: /v1/models, /v1/completions and
+/v1/chat/completions, whole or streamed as server-sent events (docs/openai.md).
+
+    python -m specdec.openai_api        # `make serve` starts it next to Triton
+
+Environment: OPENAI_HOST (127.0.0.1), OPENAI_PORT (9000), TRITON_HOST (127.0.0.1), GRPC_PORT
+(Triton's, 8001), OPENAI_MODEL_NAME (default: the target checkpoint's folder name).
+
+Each request is one gRPC stream (tritonclient's asyncio API) to `speculative_decoding`
+itself, not the ensemble: an ensemble step never hears of a cancellation, the BLS does. A
+client that goes away cancels its stream, and the BLS frees the slots at its next iteration.
+The tokenizer (for the chat template) and the context length come from the BLS's config, so
+they are those of the target that Triton serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import tritonclient.grpc.aio as grpcaio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from specdec.client import build_inputs, requested_outputs
+from specdec.launch import PROJECT_ROOT
+from specdec.openai_protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ApiError,
+    ChatCompletionRequest,
+    Choice,
+    CompletionRequest,
+    ResponseBuilder,
+    StopTrimmer,
+    check_supported,
+    max_tokens_field,
+    triton_error,
+    triton_params,
+    validation_error,
+)
+from specdec.tokenizer import TextTokenizer, load_tokenizer
+
+T = TypeVar("T")
+
+
+@dataclass
+class ApiConfig:
+    host: str = "127.0.0.1"
+    port: int = 9000
+    triton_url: str = "127.0.0.1:8001"
+    model_name: str | None = None  # None: the target checkpoint's folder name
+    bls_model: str = "speculative_decoding"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ApiConfig:
+        env = dict(os.environ if env is None else env)
+        return cls(
+            host=env.get("OPENAI_HOST", "127.0.0.1"),
+            port=int(env.get("OPENAI_PORT", 9000)),
+            triton_url=f"{env.get('TRITON_HOST', '127.0.0.1')}:{env.get('GRPC_PORT', 8001)}",
+            model_name=env.get("OPENAI_MODEL_NAME") or None,
+        )
+
+
+class Backend:
+    """The Triton side: one gRPC channel, and what the BLS's config says it serves."""
+
+    def __init__(self, config: ApiConfig) -> None:
+        self.config = config
+        self.client: grpcaio.InferenceServerClient | None = None
+        self.tokenizer: TextTokenizer | None = None
+        self.model_name = ""
+        self.max_context = 0
+        self.triton_inputs: set[str] = set()
+        self.created = int(time.time())
+
+    async def start(self, poll_s: float = 1.0) -> None:
+        """Waits for the BLS to be ready (Triton may still be loading), then reads its config."""
+        self.client = grpcaio.InferenceServerClient(self.config.triton_url)
+        while not await self.ready():
+            await asyncio.sleep(poll_s)
+        response = await self.client.get_model_config(self.config.bls_model, as_json=True)
+        config = response["config"]
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.max_context = int(parameters["max_context"])
+        self.triton_inputs = {tensor["name"] for tensor in config["input"]}
+        checkpoint = Path(parameters["checkpoint"])
+        if not checkpoint.is_absolute():  # as the BLS resolves it
+            checkpoint = Path(os.environ.get("SPECDEC_HOME", PROJECT_ROOT)) / checkpoint
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, str(checkpoint))
+        self.model_name = self.config.model_name or checkpoint.name.removesuffix(".gguf")
+        print(f"openai_api: serving {self.model_name} from {self.config.triton_url}", flush=True)
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_model_ready(self.config.bls_model)
+        except Exception:  # not listening yet: InferenceServerException
+            return False
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            message = f"The model `{model}` does not exist (this server has `{self.model_name}`)"
+            raise ApiError(404, message, "model", code="model_not_found")
+
+
+class Generation:
+    """One OpenAI request: one gRPC stream to the BLS, and the choices its responses fill."""
+
+    def __init__(self, backend: Backend, body: CompletionRequest | ChatCompletionRequest) -> None:
+        check_supported(body)
+        backend.check_model(body.model)
+        chat = isinstance(body, ChatCompletionRequest)
+        prompts, self.max_tokens = _prompts_and_limit(backend, body)
+        self.body, self.max_context, self.n = body, backend.max_context, body.n
+        self.error_names = (
+            backend.triton_inputs,
+            "messages" if chat else "prompt",
+            max_tokens_field(body),
+        )
+        self.choices = [
+            Choice(b * body.n + s, b, StopTrimmer(body.stop_words))
+            for b in range(len(prompts))
+            for s in range(body.n)
+        ]
+        self.builder = ResponseBuilder(chat, backend.model_name, body.stream and body.include_usage)
+        params = triton_params(body, self.max_tokens)
+        inputs, outputs = build_inputs(prompts, **params), requested_outputs(**params)
+
+        async def one_request():
+            yield {"model_name": backend.config.bls_model, "inputs": inputs, "outputs": outputs}
+
+        # The request iterator ends after one request (half-close); Triton still sends every
+        # response, then ends the stream.
+        self.call = backend.client.stream_infer(one_request())
+
+    async def results(self) -> AsyncIterator:
+        """The BLS's responses; an error ends them as an ApiError. Leaving early (a client
+        gone, an error) cancels the stream."""
+        try:
+            async for result, error in self.call:
+                if error is not None:
+                    raise triton_error(error.message(), *self.error_names)
+                yield result
+        except grpc.aio.AioRpcError as error:
+            message = f"Triton unavailable: {error.details()}"
+            raise ApiError(503, message, kind="server_error") from error
+        finally:
+            self.call.cancel()  # no-op once the stream has ended
+
+    def apply(self, result) -> tuple[Choice, str]:
+        """Adds one response to its choice; returns the choice and the text it may send."""
+        batch_index = int(result.as_numpy("batch_index")[0][0])
+        sequence_index = int(result.as_numpy("sequence_index")[0][0])
+        choice = self.choices[batch_index * self.n + sequence_index]
+        choice.num_input_tokens = int(result.as_numpy("num_input_tokens")[0][0])
+        choice.num_output_tokens = int(result.as_numpy("num_output_tokens")[0][0])
+        return choice, choice.add(result.as_numpy("text_output")[0].decode("utf-8"))
+
+    def finish_reason(self, choice: Choice) -> str:
+        return choice.finish_reason(self.max_tokens, self.max_context)
+
+    async def whole(self) -> dict:
+        async for result in self.results():
+            self.apply(result)
+        for choice in self.choices:
+            choice.finish()
+        return self.builder.whole(self.choices, self.max_tokens, self.max_context)
+
+    async def events(self, results: AsyncIterator, first) -> AsyncIterator[str]:
+        """Server-sent events from the first response on: text chunks as they come, each
+        choice's finish_reason once the stream has ended, usage if asked, then [DONE]."""
+        try:
+            result = first
+            while result is not None:
+                choice, text = self.apply(result)
+                if text:
+                    yield _sse(self.builder.chunk(choice, text))
+                result = await anext(results, None)
+            for choice in self.choices:
+                reason = self.finish_reason(choice)
+                yield _sse(self.builder.chunk(choice, choice.finish(), reason))
+            if self.builder.include_usage:
+                yield _sse(self.builder.usage_chunk(self.choices))
+        except ApiError as error:  # after the headers went out: an error event
+            yield _sse(error.body())
+        finally:
+            await results.aclose()  # a client gone: cancels the stream
+        yield "data: [DONE]\n\n"
+
+
+def _prompts_and_limit(
+    backend: Backend, body: CompletionRequest | ChatCompletionRequest
+) -> tuple[list[str], int]:
+    """The BLS's prompts (chat: the target's template applied) and max_tokens."""
+    if isinstance(body, ChatCompletionRequest):
+        messages = [message.as_template_input() for message in body.messages]
+        limit = body.max_completion_tokens or body.max_tokens or backend.max_context
+        return [backend.tokenizer.apply_chat_template(messages)], limit
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    return prompts, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelled if the client disconnects first: uvicorn does not cancel a
+    handler whose client has gone (a streamed response notices by itself)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientGone
+    return task.result()
+
+
+async def serve(generation: Generation, request: Request) -> Response:
+    if not generation.body.stream:
+        return JSONResponse(await unless_disconnected(request, generation.whole()))
+    # Wait for the first response before the headers: the BLS's validation errors arrive as
+    # HTTP 400, not as an event of a 200 stream.
+    results = generation.results()
+    first = await unless_disconnected(request, anext(results, None))
+    return _ClosingStream(generation.events(results, first), media_type="text/event-stream")
+
+
+class _ClosingStream(StreamingResponse):
+    """Closes its generator however the response ends: a disconnect that lands while it waits
+    on a send would otherwise leave the stream open until garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def create_app(config: ApiConfig) -> FastAPI:
+    backend = Backend(config)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await backend.start()
+        yield
+        await backend.close()
+
+    app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
+        return await api_error(_request, validation_error(list(error.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
+        return await api_error(_request, ApiError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(ClientGone)
+    async def gone(_request: Request, _error: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if await backend.ready() else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(backend)]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str) -> dict:
+        backend.check_model(model)
+        return _model_card(backend)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serve(Generation(backend, body), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serve(Generation(backend, body), request)
+
+    return app
+
+
+def _model_card(backend: Backend) -> dict:
+    return {
+        "id": backend.model_name,
+        "object": "model",
+        "created": backend.created,
+        "owned_by": "specdec",
+        "max_model_len": backend.max_context,
+    }
+
+
+def run(config: ApiConfig) -> None:
+    print(f"openai_api on http://{config.host}:{config.port}/v1 (Triton {config.triton_url})")
+    sys.stdout.flush()
+    # Streams still open at shutdown are cut after 5 s (which cancels their generations).
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+
+
+def main() -> None:
+    run(ApiConfig.from_env())
+
+
+if __name__ == "__main__":
+    main()
