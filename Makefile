@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
-#   make serve   venv + models + the real Triton server on the speculative repository (CPU)
+#   make serve   venv + models + the real Triton server on the speculative repository (CPU),
+#                and the OpenAI-compatible API beside it on OPENAI_PORT (docs/openai.md)
 #   make test    the whole test suite (starts its own servers on free ports)
 PYTHON ?= python3
 VENV := .venv
@@ -8,12 +9,13 @@ MODELS := models
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 ENGINE ?= torch
 # The engines' precision (specdec/engines.py): auto = bfloat16 where the CPU (avx512_bf16,
 # amx_bf16) or GPU has it. Test servers ignore it: ManagedServer takes its settings from a
 # dict, and the committed configs say float32 (the exactness tests need it).
 DTYPE ?= auto
-export HTTP_PORT GRPC_PORT METRICS_PORT ENGINE DTYPE
+export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
 .PHONY: venv models serve engines test test-unit lint format client draft bench bench-draft loadtest soak clean
 .DEFAULT_GOAL := serve
@@ -35,7 +37,7 @@ $(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/checkpoi
 models: $(MODELS)/.prepared
 
 serve: models
-	$(PY) -m specdec.launch
+	$(PY) -m specdec.launch --openai
 
 # The draft's and the target's ONNX graphs for ENGINE=onnxruntime, under .run/engines (the
 # server also exports them on demand); with ENGINE=tensorrt (GPU, TensorRT installed) also

@@ -1,6 +1,7 @@
 """Starts the real Triton server (the 2.51 binary of PyPI's nvidia-pytriton) on the CPU.
 
-    python -m specdec.launch            # what `make serve` runs; Ctrl-C stops it
+    python -m specdec.launch            # the server alone; Ctrl-C stops it
+    python -m specdec.launch --openai   # `make serve`: and the OpenAI-compatible API beside it
     python -m specdec.launch --exit-when-unready   # containers: exit 1 when a stub died
 
 Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
@@ -385,6 +386,14 @@ def supervise(
     return process.returncode
 
 
+def start_openai_api() -> subprocess.Popen:
+    """specdec.openai_api as a child: it waits for the server to be ready, reads GRPC_PORT
+    and OPENAI_PORT from the environment, and gets SIGTERM when this process ends (or the
+    tritonserver that execs in its place)."""
+    command = [sys.executable, "-m", "specdec.openai_api"]
+    return subprocess.Popen(command, preexec_fn=end_with_parent)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Starts tritonserver on the repository.")
     parser.add_argument(
@@ -392,8 +401,15 @@ def main() -> None:
         action="store_true",
         help="supervise the server and exit 1 when it stops being ready (containers)",
     )
+    parser.add_argument(
+        "--openai",
+        action="store_true",
+        help="also start the OpenAI-compatible API (specdec.openai_api, OPENAI_PORT)",
+    )
     args = parser.parse_args()
     config = ServerConfig.from_env()
+    if args.openai:
+        start_openai_api()
     print(
         f"tritonserver on {config.address}: HTTP {config.http_port}, gRPC {config.grpc_port}, "
         f"metrics {config.metrics_port} (Ctrl-C stops it)",

@@ -56,8 +56,9 @@ def named_paths(words: list[str]) -> list[str]:
 
 def test_services_and_profiles(compose):
     services = compose["services"]
-    assert set(services) == {"build", "triton", "locust", "sdk"}
-    assert "profiles" not in services["triton"] and "profiles" not in services["build"]
+    assert set(services) == {"build", "triton", "openai", "locust", "sdk"}
+    for name in ("build", "triton", "openai"):  # `docker compose up` starts them
+        assert "profiles" not in services[name], name
     assert services["locust"]["profiles"] == ["loadtest"]
     assert services["sdk"]["profiles"] == ["sdk"]
     assert services["triton"]["depends_on"]["build"]["condition"] == (
@@ -108,6 +109,28 @@ def test_triton_service_is_gpu_ready_healthy_and_local(compose):
     for name, suffix in ((image, "-py3"), (sdk_image, "-py3-sdk")):
         match = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d+)\.(\d+)" + suffix, name)
         assert match and (int(match[1]), int(match[2])) >= (26, 3), name
+
+
+def test_openai_service_reaches_triton_and_the_tokenizer(compose):
+    """The API starts once Triton is healthy, talks to it by service name, and mounts the
+    models where the BLS's rendered config says the target (its tokenizer) is."""
+    services = compose["services"]
+    openai, triton = services["openai"], services["triton"]
+    assert openai["command"] == ["python3", "-m", "specdec.openai_api"]
+    assert openai["depends_on"]["triton"]["condition"] == "service_healthy"
+    env = {k: str(v) for k, v in openai["environment"].items()}
+    assert env["TRITON_HOST"] == "triton" and env["GRPC_PORT"] == "8001"
+    assert any(expand(port).endswith(":8001") for port in triton["ports"])
+    assert env["OPENAI_HOST"] == "0.0.0.0"  # inside its container; published on 127.0.0.1
+    (port,) = openai["ports"]
+    assert expand(port) == f"127.0.0.1:9000:{env['OPENAI_PORT']}"
+    assert f"localhost:{env['OPENAI_PORT']}/health" in " ".join(openai["healthcheck"]["test"])
+    checkpoint = f"{IMAGE_ROOT}/models/smollm2-135m-instruct"  # the BLS's, rendered in the image
+    assert (
+        host_path(openai, checkpoint)
+        == host_path(triton, checkpoint)
+        == (PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    )
 
 
 def load_entrypoint():
