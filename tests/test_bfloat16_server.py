@@ -16,17 +16,13 @@ import pytest
 import torch
 
 from specdec.client import generate
+from specdec.greedy_parity import TIE_MARGIN, find_divergences, greedy_path
 from specdec.launch import ManagedServer
 from specdec.llama import LlamaEngine
 from specdec.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.server
 
-# Plain decoding's top-2 logit gap below which the two paths may disagree. The final norm and
-# head compute in float32, so logits are not rounded to bfloat16's coarse steps; the
-# residual and attention are, and that moves a logit by a few hundredths here (docs/
-# design.md, "Precision").
-TIE_MARGIN = 0.25
 NUM_TOKENS = 128
 PROMPTS = [
     "<|im_start|>user\nList three uses of copper.<|im_end|>\n<|im_start|>assistant\n",
@@ -57,31 +53,9 @@ def plain_path(target_dir):
     """Per prompt: the plain path's greedy token ids and each one's top-2 logit gap."""
     tokenizer = load_tokenizer(str(target_dir))
     engine = LlamaEngine.from_checkpoint(target_dir, 1, 512, dtype=torch.bfloat16)
-    paths = []
-    for prompt in PROMPTS:
-        prompt_ids = tokenizer.encode(prompt)
-        logits = engine.forward(
-            torch.tensor(prompt_ids), [len(prompt_ids)], [0], [0], [1]
-        )  # (1, V)
-        ids, gaps, length = [], [], len(prompt_ids)
-        for _ in range(NUM_TOKENS):
-            top = logits[0].float().topk(2)
-            ids.append(int(top.indices[0]))
-            gaps.append(float(top.values[0] - top.values[1]))
-            if ids[-1] == tokenizer.eos_token_id:
-                break
-            logits = engine.forward(torch.tensor(ids[-1:]), [1], [0], [length], [1])
-            length += 1
-        paths.append((ids, gaps))
+    eos = tokenizer.eos_token_id
+    paths = [greedy_path(engine, tokenizer.encode(p), NUM_TOKENS, eos) for p in PROMPTS]
     return tokenizer, paths
-
-
-def first_divergence(tokenizer, plain_ids: list[int], text: str) -> int | None:
-    """The index of the first plain token whose text the served text does not continue."""
-    for i in range(len(plain_ids)):
-        if not text.startswith(tokenizer.decode(plain_ids[: i + 1])):
-            return i
-    return None
 
 
 def check(label: str, texts: list[str], plain_path) -> list[str]:
@@ -89,15 +63,10 @@ def check(label: str, texts: list[str], plain_path) -> list[str]:
     outside the margin."""
     tokenizer, paths = plain_path
     report, outside = [], []
-    for prompt, text, (ids, gaps) in zip(PROMPTS, texts, paths, strict=True):
-        position = first_divergence(
-            tokenizer, ids[:-1] if ids[-1:] == [tokenizer.eos_token_id] else ids, text
-        )
-        if position is None:
-            continue
-        line = f"{label}: {prompt[:40]!r} diverges at token {position}, gap {gaps[position]:.4f}"
+    for d in find_divergences(tokenizer.decode, paths, texts, tokenizer.eos_token_id):
+        line = f"{label}: {PROMPTS[d.prompt][:40]!r} diverges at token {d.token}, gap {d.gap:.4f}"
         report.append(line)
-        if gaps[position] >= TIE_MARGIN:
+        if not d.near_tie():
             outside.append(line)
     print("\n".join(report) or f"{label}: no divergence")
     assert not outside, outside
