@@ -1,0 +1,372 @@
+"""deploy/kubernetes, offline: the kustomizations render, every built-in kind validates against
+the Kubernetes API schema of a current release (PyPI's kubernetes-validate bundles them), and
+what the deployment depends on holds: probe paths and ports, the GPU, the drain, the gateway
+routing HTTP/2 to the gRPC port, and the autoscaler reading a metric made of our gauges.
+
+Rendering: a small renderer of the kustomize subset these files use (resources, namespace,
+images, JSON 6902 patches), so no cluster tool is needed; where kubectl is installed its
+own `kubectl kustomize` must give the same objects."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec.gateway import MAX_PODS, check_config, haproxy_binary, render_kubernetes_config
+from specdec.launch import PROJECT_ROOT
+
+DEPLOY = PROJECT_ROOT / "deploy" / "kubernetes"
+VARIANTS = ("base", "overlays/cpu", "overlays/tensorrt")
+KUBERNETES_VERSION = "1.37"  # the newest schema kubernetes-validate 1.37.0 bundles
+# Custom resources of the Prometheus Operator: no built-in schema; checked field by field.
+CUSTOM_KINDS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
+CLUSTER_SCOPED = {"Namespace"}
+METRICS_SOURCE = PROJECT_ROOT / "specdec" / "serving" / "metrics.py"
+
+
+# -- a renderer for the kustomize subset used here ------------------------------------------
+
+
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+
+
+def apply_json_patch(document: dict, operations: list[dict]) -> dict:
+    """RFC 6902 add, replace, remove and test (what the overlays use)."""
+    document = copy.deepcopy(document)
+    for op in operations:
+        *parents, last = _pointer(op["path"])
+        node = document
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        index = (len(node) if last == "-" else int(last)) if isinstance(node, list) else last
+        if op["op"] == "test":
+            assert node[index] == op["value"], f"test failed at {op['path']}"
+        elif op["op"] == "remove":
+            del node[index]
+        elif op["op"] == "replace":
+            node[index]  # noqa: B018 - replace needs an existing member
+            node[index] = op["value"]
+        elif op["op"] == "add" and isinstance(node, list):
+            node.insert(index, op["value"])
+        elif op["op"] == "add":
+            node[index] = op["value"]
+        else:
+            raise ValueError(f"unsupported patch op {op['op']}")
+    return document
+
+
+def _matches(target: dict, document: dict) -> bool:
+    group, _, version = document["apiVersion"].rpartition("/")
+    wanted = {"group": group, "version": version, "kind": document["kind"]}
+    wanted["name"] = document["metadata"]["name"]
+    return all(wanted[key] == value for key, value in target.items())
+
+
+def _set_images(document: dict, images: list[dict]) -> None:
+    pod = document.get("spec", {}).get("template", {}).get("spec", {})
+    for container in pod.get("initContainers", []) + pod.get("containers", []):
+        name, _, tag = container["image"].partition(":")
+        for image in images:
+            if image["name"] == name:
+                new_tag = image.get("newTag", tag)
+                container["image"] = image.get("newName", name) + (f":{new_tag}" if new_tag else "")
+
+
+def render(directory: Path) -> list[dict]:
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - {
+        "apiVersion",
+        "kind",
+        "resources",
+        "namespace",
+        "images",
+        "patches",
+    }
+    assert not unknown, f"{directory}: the test renderer does not know {unknown}"
+    documents = []
+    for resource in kustomization.get("resources", []):
+        path = directory / resource
+        if path.is_dir():
+            documents += render(path)
+        else:
+            documents += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        operations = yaml.safe_load(patch["patch"])
+        hits = [i for i, d in enumerate(documents) if _matches(patch["target"], d)]
+        assert len(hits) == 1, f"{directory}: patch target {patch['target']} matched {len(hits)}"
+        documents[hits[0]] = apply_json_patch(documents[hits[0]], operations)
+    for document in documents:
+        if "namespace" in kustomization and document["kind"] not in CLUSTER_SCOPED:
+            document["metadata"]["namespace"] = kustomization["namespace"]
+        _set_images(document, kustomization.get("images", []))
+    return documents
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {variant: render(DEPLOY / variant) for variant in VARIANTS}
+
+
+def find(documents: list[dict], kind: str, name: str) -> dict:
+    (found,) = [d for d in documents if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def _key(document: dict) -> tuple:
+    meta = document["metadata"]
+    return document["apiVersion"], document["kind"], meta.get("namespace", ""), meta["name"]
+
+
+# -- rendering and schemas -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kubectl_kustomize_renders_the_same_objects(rendered, variant):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed: the test renderer alone checked the overlays")
+    output = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / variant)], capture_output=True, text=True, check=True
+    ).stdout
+    theirs = sorted((d for d in yaml.safe_load_all(output) if d), key=_key)
+    ours = sorted(rendered[variant], key=_key)
+    assert [_key(d) for d in theirs] == [_key(d) for d in ours]
+    for their, our in zip(theirs, ours, strict=True):
+        assert their == our, _key(our)
+
+
+def validation_error(document: dict) -> str | None:
+    """None when a built-in kind is valid in the current API (strict: no unknown fields);
+    else why not. A kind or version the schemas do not have (autoscaling/v2beta2, a typo)
+    is an error too."""
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        return f"no schema for {document['apiVersion']} {document['kind']} in {KUBERNETES_VERSION}"
+    except kubernetes_validate.ValidationError as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_built_in_kind_validates_against_the_current_api(rendered, variant):
+    pytest.importorskip("kubernetes_validate", reason="pip install -r requirements-dev.txt")
+    kinds = set()
+    for document in rendered[variant]:
+        kinds.add(document["kind"])
+        if (document["apiVersion"], document["kind"]) in CUSTOM_KINDS:
+            continue
+        assert validation_error(document) is None, (_key(document), validation_error(document))
+    assert {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"} <= kinds
+
+
+def test_the_validation_refuses_removed_versions_and_unknown_fields(rendered):
+    pytest.importorskip("kubernetes_validate", reason="pip install -r requirements-dev.txt")
+    hpa = copy.deepcopy(find(rendered["base"], "HorizontalPodAutoscaler", "specdec-triton"))
+    hpa["apiVersion"] = "autoscaling/v2beta2"  # removed in Kubernetes 1.26
+    assert "no schema" in validation_error(hpa)
+    deployment = copy.deepcopy(find(rendered["base"], "Deployment", "specdec-triton"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessprobe"] = {}
+    assert "livenessprobe" in validation_error(deployment)
+
+
+# -- what the deployment depends on ------------------------------------------------------------
+
+
+def pod_spec(documents: list[dict], name: str) -> dict:
+    return find(documents, "Deployment", name)["spec"]["template"]["spec"]
+
+
+def container_ports(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def entrypoint_ports() -> dict[str, int]:
+    """The ports docker/triton_entrypoint.py tells tritonserver to serve on."""
+    text = (PROJECT_ROOT / "docker" / "triton_entrypoint.py").read_text()
+    return {k: int(v) for k, v in re.findall(r'"--(http|grpc|metrics)-port=(\d+)"', text)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_triton_probes_ports_and_gpu(rendered, variant):
+    spec = pod_spec(rendered[variant], "specdec-triton")
+    (triton,) = spec["containers"]
+    ports = container_ports(triton)
+    assert ports == entrypoint_ports() == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    probes = {
+        kind: triton[kind]["httpGet"]
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe")
+    }
+    assert probes["livenessProbe"]["path"] == "/v2/health/live"
+    assert probes["readinessProbe"]["path"] == probes["startupProbe"]["path"] == "/v2/health/ready"
+    assert {p["port"] for p in probes.values()} == {"http"}  # Triton's HTTP port, by name
+    startup = triton["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model loading
+    gpus = [
+        c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+        for c in [triton, *spec["initContainers"]]
+    ]
+    env = {e["name"]: e["value"] for e in triton["env"]}
+    if variant == "overlays/cpu":
+        assert gpus == [None, None] and env["DEVICE"] == "cpu" and "tolerations" not in spec
+    else:
+        assert gpus == [1, 1] and triton["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert env["DEVICE"] == "cuda"
+    assert env["ENGINE"] == ("tensorrt" if variant == "overlays/tensorrt" else "torch")
+    (init,) = spec["initContainers"]
+    assert {e["name"]: e["value"] for e in init["env"]}["ENGINE"] == env["ENGINE"]
+    assert init["command"] == ["bash", "docker/build_engines.sh"]
+    assert (PROJECT_ROOT / "docker" / "build_engines.sh").exists()
+    mounts = {m["mountPath"] for m in init["volumeMounts"]}
+    assert mounts <= {m["mountPath"] for m in triton["volumeMounts"]}  # the engines it built
+
+
+def test_prestop_drains_within_the_grace_period(rendered):
+    from specdec import gateway
+
+    spec = pod_spec(rendered["base"], "specdec-triton")
+    command = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:4] == ["python3", "-m", "specdec.gateway", "drain"]
+    options = dict(arg.lstrip("-").split("=") for arg in command[4:])
+    exit_timeout = int(re.search(r"--exit-timeout-secs=(\d+)", entrypoint_text())[1])
+    budget = float(options["settle-seconds"]) + float(options["timeout-seconds"]) + exit_timeout
+    assert budget < spec["terminationGracePeriodSeconds"]
+    assert callable(gateway.drain)
+
+
+def entrypoint_text() -> str:
+    return (PROJECT_ROOT / "docker" / "triton_entrypoint.py").read_text()
+
+
+def test_headless_service_finds_the_triton_pods(rendered):
+    documents = rendered["base"]
+    service = find(documents, "Service", "specdec-triton")
+    assert service["spec"]["clusterIP"] == "None"
+    labels = find(documents, "Deployment", "specdec-triton")["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    assert service["spec"]["selector"].items() <= labels.items()
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    triton_ports = container_ports(pod_spec(documents, "specdec-triton")["containers"][0])
+    assert {name: p["port"] for name, p in ports.items()} == triton_ports
+
+
+def gateway_config(documents: list[dict]) -> str:
+    return find(documents, "ConfigMap", "specdec-gateway")["data"]["haproxy.cfg"]
+
+
+def test_gateway_routes_http2_streams_to_the_grpc_port(rendered, tmp_path):
+    documents = rendered["base"]
+    config = gateway_config(documents)
+    assert config == render_kubernetes_config()  # regenerate: python -m specdec.gateway ...
+    assert re.search(r"^frontend grpc\n    bind \*:8001 proto h2$", config, re.MULTILINE)
+    backend = re.search(r"^backend triton_grpc\n(.*?)\n\n", config, re.MULTILINE | re.DOTALL)[1]
+    assert "balance leastconn" in backend
+    assert "http-check send meth GET uri /v2/health/ready" in backend
+    words = shlex.split(re.search(r"^\s*server-template .*$", backend, re.MULTILINE)[0])
+    name, port = words[3].rsplit(":", 1)
+    service = find(documents, "Service", "specdec-triton")
+    triton_ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    assert name.startswith(service["metadata"]["name"] + ".${POD_NAMESPACE}.svc.")
+    assert int(port) == triton_ports["grpc"]
+    assert words[words.index("proto") + 1] == "h2"  # gRPC: HTTP/2 to the replica as well
+    assert int(words[words.index("port") + 1]) == triton_ports["http"]  # where the check goes
+    assert int(words[2].split("-")[1]) == MAX_PODS
+    # The Deployment's environment fills what the config reads from it.
+    (haproxy,) = pod_spec(documents, "specdec-gateway")["containers"]
+    assert {e["name"] for e in haproxy["env"]} >= set(re.findall(r"\$\{(\w+)", config))
+    assert container_ports(haproxy)["grpc"] == 8001 and container_ports(haproxy)["stats"] == 8404
+    assert haproxy["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "stats"}
+    front = find(documents, "Service", "specdec")
+    assert {p["name"]: p["targetPort"] for p in front["spec"]["ports"]}["grpc"] == "grpc"
+    if haproxy_binary() is None:
+        pytest.skip("haproxy not installed: its own check of the config did not run")
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(config)
+    check_config(path, {"POD_NAMESPACE": "specdec", "PATH": "/usr/sbin:/usr/bin:/bin"})
+
+
+def test_autoscaler_reads_a_per_pod_load_made_of_our_gauges(rendered):
+    documents = rendered["base"]
+    hpa = find(documents, "HorizontalPodAutoscaler", "specdec-triton")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "specdec-triton",
+    }
+    assert hpa["spec"]["maxReplicas"] <= MAX_PODS  # the gateway has a slot for each pod
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    assert metric["pods"]["target"]["averageValue"] == "750m"
+    # HPA metric <- adapter rule <- recording rule <- the gauges the BLS publishes.
+    adapter = yaml.safe_load((DEPLOY / "prometheus-adapter" / "config.yaml").read_text())
+    (rule,) = [r for r in adapter["rules"] if r["name"]["as"] == metric["pods"]["metric"]["name"]]
+    series = re.match(r"([\w:]+)\{", rule["seriesQuery"])[1]
+    assert re.fullmatch(rule["name"]["matches"], series)
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    prometheus_rule = find(documents, "PrometheusRule", "specdec")
+    records = {
+        r["record"]: r["expr"]
+        for g in prometheus_rule["spec"]["groups"]
+        for r in g["rules"]
+        if "record" in r
+    }
+    expression = records[series]
+    used = set(re.findall(r"\bspecdec_\w+", expression))
+    assert used == {
+        "specdec_queued_requests",
+        "specdec_running_batch_size",
+        "specdec_free_kv_slots",
+    }
+    published = set(re.findall(r'"(specdec_\w+)"', METRICS_SOURCE.read_text()))
+    assert used <= published
+    assert "by (namespace, pod)" in expression  # per pod, the labels the adapter maps
+
+
+def test_pods_are_scraped_and_disruptions_take_one_replica_at_a_time(rendered):
+    documents = rendered["base"]
+    for name, port in (("specdec-triton", "metrics"), ("specdec-gateway", "stats")):
+        monitor = find(documents, "PodMonitor", name)
+        labels = find(documents, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoint["port"] == port and endpoint["path"] == "/metrics"
+        assert port in container_ports(pod_spec(documents, name)["containers"][0])
+        budget = find(documents, "PodDisruptionBudget", name)
+        assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert find(documents, "PodDisruptionBudget", "specdec-triton")["spec"]["maxUnavailable"] == 1
+
+
+def test_no_remote_resources(rendered):
+    for variant in VARIANTS:
+        for path in (DEPLOY / variant).glob("kustomization.yaml"):
+            for resource in yaml.safe_load(path.read_text()).get("resources", []):
+                assert "://" not in resource and not resource.startswith("github.com"), resource
+
+
+def test_openai_api_calls_the_gateway(rendered):
+    documents = rendered["base"]
+    (api,) = pod_spec(documents, "specdec-openai")["containers"]
+    assert api["command"][-1] == "specdec.openai_api"
+    assert (PROJECT_ROOT / "specdec" / "openai_api.py").exists()
+    env = {e["name"]: e["value"] for e in api["env"]}
+    gateway = find(documents, "Service", "specdec")
+    assert env["TRITON_HOST"] == gateway["metadata"]["name"]
+    assert int(env["GRPC_PORT"]) == {p["name"]: p["port"] for p in gateway["spec"]["ports"]}["grpc"]
+    assert api["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container_ports(api)["http"] == int(env["OPENAI_PORT"])
