@@ -56,7 +56,9 @@ def named_paths(words: list[str]) -> list[str]:
 
 def test_services_and_profiles(compose):
     services = compose["services"]
-    assert set(services) == {"build", "triton", "openai", "locust", "sdk"}
+    assert set(services) == {"build", "triton", "openai", "locust", "sdk", "gateway"} | {
+        f"triton-gpu{i}" for i in (1, 2, 3)
+    }
     for name in ("build", "triton", "openai"):  # `docker compose up` starts them
         assert "profiles" not in services[name], name
     assert services["locust"]["profiles"] == ["loadtest"]
@@ -119,7 +121,7 @@ def test_openai_service_reaches_triton_and_the_tokenizer(compose):
     assert openai["command"] == ["python3", "-m", "specdec.openai_api"]
     assert openai["depends_on"]["triton"]["condition"] == "service_healthy"
     env = {k: str(v) for k, v in openai["environment"].items()}
-    assert env["TRITON_HOST"] == "triton" and env["GRPC_PORT"] == "8001"
+    assert expand(env["TRITON_HOST"]) == "triton" and env["GRPC_PORT"] == "8001"
     assert any(expand(port).endswith(":8001") for port in triton["ports"])
     assert env["OPENAI_HOST"] == "0.0.0.0"  # inside its container; published on 127.0.0.1
     (port,) = openai["ports"]
@@ -168,3 +170,56 @@ def test_rendered_repository_for_the_gpu(compose, tmp_path, engine):
         assert 'key: "num_slots" value: { string_value: "64" }' in text
         checkpoint = re.search(r'key: "checkpoint" value: \{ string_value: "([^"]+)"', text)[1]
         assert Path(checkpoint).is_absolute() and checkpoint.startswith(str(PROJECT_ROOT))
+
+
+def gpu_ids(service: dict) -> list[str]:
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "count" not in device  # device_ids, not "any one GPU"
+    return device["device_ids"]
+
+
+def test_one_triton_service_per_gpu_and_one_gpu_by_default(compose):
+    services = compose["services"]
+    tritons = {n: s for n, s in services.items() if re.fullmatch(r"triton(-gpu\d+)?", n)}
+    assert gpu_ids(tritons.pop("triton")) == ["0"]
+    assert "profiles" not in services["triton"]  # `docker compose up`: one GPU
+    for name, service in tritons.items():
+        assert gpu_ids(service) == [name.removeprefix("triton-gpu")], name
+        assert service["profiles"] and set(service["profiles"]) <= {"gpus-2", "gpus-4"}
+        assert service["command"] == services["triton"]["command"]  # the same server
+        assert service["environment"] == services["triton"]["environment"]
+        assert service["depends_on"] == services["triton"]["depends_on"]  # built engines
+    assert [n for n, s in tritons.items() if "gpus-2" in s["profiles"]] == ["triton-gpu1"]
+    assert len([n for n, s in tritons.items() if "gpus-4" in s["profiles"]]) == 3
+    host_ports = [expand(p) for s in services.values() for p in s.get("ports", [])]
+    assert len(host_ports) == len(set(host_ports))  # every profile at once: no clash
+
+
+def test_gateway_balances_over_every_triton_service(compose):
+    from specdec.gateway import (
+        COMPOSE_SERVICES,
+        check_config,
+        haproxy_binary,
+        render_compose_config,
+    )
+
+    services = compose["services"]
+    gateway = services["gateway"]
+    assert set(gateway["profiles"]) == {"gpus-2", "gpus-4"}
+    tritons = [n for n in services if re.fullmatch(r"triton(-gpu\d+)?", n)]
+    assert sorted(COMPOSE_SERVICES) == sorted(tritons)
+    (volume,) = gateway["volumes"]
+    source, target = volume.split(":")[:2]
+    assert target == "/usr/local/etc/haproxy/haproxy.cfg"  # where the image reads it
+    config = (PROJECT_ROOT / source).read_text()
+    assert config == render_compose_config()  # python -m specdec.gateway compose-config
+    for name in tritons:
+        assert f"server {name} {name}:8001 " in config and "proto h2" in config
+    published = {expand(p).rsplit(":", 1)[1] for p in gateway["ports"]}
+    assert {"8001", "8000", "8404"} == published
+    for name in ("openai", "locust", "sdk"):  # TRITON_HOST=gateway sends them through it
+        assert "${TRITON_HOST:-triton}" in str(services[name])
+    if haproxy_binary() is None:
+        pytest.skip("haproxy not installed: its own check of the config did not run")
+    check_config(PROJECT_ROOT / source)
