@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   venv + models + the real Triton server on the speculative repository (CPU),
-#                and the OpenAI-compatible API beside it on OPENAI_PORT (docs/openai.md)
+#                and the OpenAI-compatible API beside it on OPENAI_PORT (docs/openai.md);
+#                REPLICAS=N: N servers behind an HAProxy gRPC gateway (docs/scaling.md)
 #   make test    the whole test suite (starts its own servers on free ports)
 PYTHON ?= python3
 VENV := .venv
@@ -10,6 +11,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
+REPLICAS ?= 1
 ENGINE ?= torch
 # The engines' precision (specdec/engines.py): auto = bfloat16 where the CPU (avx512_bf16,
 # amx_bf16) or GPU has it. Test servers ignore it: ManagedServer takes its settings from a
@@ -37,7 +39,11 @@ $(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/checkpoi
 models: $(MODELS)/.prepared
 
 serve: models
+ifeq ($(REPLICAS),1)
 	$(PY) -m specdec.launch --openai
+else
+	$(PY) -m specdec.gateway serve --replicas $(REPLICAS) --openai
+endif
 
 # The draft's and the target's ONNX graphs for ENGINE=onnxruntime, under .run/engines (the
 # server also exports them on demand); with ENGINE=tensorrt (GPU, TensorRT installed) also
