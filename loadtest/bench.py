@@ -352,6 +352,12 @@ def write_outputs(levels: list[LevelResult], config: BenchConfig, meta: dict) ->
     return base
 
 
+def _seconds(value: float | None) -> str:
+    """A latency for the log; '-' where a mode finished no counted request (a window shorter
+    than its lead-in request, on a slow machine)."""
+    return "     -" if value is None else f"{value:6.2f} s"
+
+
 def run_level(
     workload: str, concurrency: int, modes: list[str], level_index: int, loads: dict, config
 ) -> list[LevelResult]:
@@ -370,7 +376,7 @@ def run_level(
         print(
             f"{workload:<9} c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s "
             f"(windows {', '.join(f'{x:.1f}' for x in level.window_tokens_per_s)})  "
-            f"p99 latency {level.latency_p99_s:6.2f} s  "
+            f"p99 latency {_seconds(level.latency_p99_s)}  "
             f"acceptance {level.acceptance_rate:.2f}  "
             f"drafted/token {level.draft_tokens_per_output_token:.2f}  "
             f"errors {level.num_errors}",
