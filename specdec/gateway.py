@@ -1,14 +1,17 @@
 """Several Triton replicas behind one L7 gRPC gateway: HAProxy, configured and run by us.
 
-    python -m specdec.gateway --replicas 2     # what `make serve REPLICAS=2` runs
-    python -m specdec.gateway drain            # a Kubernetes preStop: settle, then idle
+    python -m specdec.gateway serve --replicas 2 --openai  # `make serve REPLICAS=2`
+    python -m specdec.gateway drain              # a Kubernetes preStop: settle, then idle
+    python -m specdec.gateway kubernetes-config  # deploy/kubernetes/base/gateway.yaml's
+    python -m specdec.gateway compose-config     # deploy/compose/haproxy.cfg
 
 A gRPC stream is one HTTP/2 stream, and one client connection carries many: a layer-4
 balancer (a Kubernetes Service) pins them all to one replica. HAProxy terminates HTTP/2 and
 picks a replica per stream. We use HAProxy, not nginx, because open-source nginx has no
 active health checks, and a replica must leave the rotation when its /v2/health/ready
-fails (a dead Python stub, a server shutting down) and come back when it passes again;
-HAProxy checks that endpoint itself (Debian packages it; `apt-get install haproxy`).
+fails (a server loading its models or shutting down; Triton 2.51 stays ready with a dead
+stub, so the supervisor stops such a server) and come back when it passes again; HAProxy
+checks that endpoint itself (Debian packages it: `apt-get install haproxy`).
 - `balance leastconn` counts the streams each replica serves: a new stream goes to the
   replica with the fewest in flight, so a replica whose KV slots are all taken (and whose
   streams therefore last) gets fewer new ones.
@@ -16,7 +19,8 @@ HAProxy checks that endpoint itself (Debian packages it; `apt-get install haprox
   take it out, 2 passes put it back. Passive: a refused connection takes it out at once,
   and the request is sent to another replica (`retries`, `option redispatch`).
 - Streams already on a replica that is taken out run on to their end; the streams of a
-  replica that dies end with an error at the client (HAProxy resets them).
+  replica that dies end with an error at the client (HAProxy resets them), and so may a
+  request sent in the moment it dies (a stream cannot be sent twice).
 Replicas' own ports: REPLICA_BASE_PORT (8100) + 10 i: HTTP, + 1 gRPC, + 2 metrics. With
 --openai the OpenAI-compatible API (specdec.openai_api) runs in front of the gateway.
 """
@@ -147,7 +151,6 @@ def render_kubernetes_config() -> str:
     lines += [
         "resolvers cluster",
         "    parse-resolv-conf",
-        "    hold valid 5s",
         "    timeout resolve 1s",
         "",
     ]
@@ -170,7 +173,7 @@ COMPOSE_SERVICES = ("triton", "triton-gpu1", "triton-gpu2", "triton-gpu3")
 def render_compose_config(services: tuple[str, ...] = COMPOSE_SERVICES) -> str:
     config = GatewayConfig(replicas=[])
     lines = _common("*", config)
-    lines += ["resolvers docker", "    nameserver dns 127.0.0.11:53", "    hold valid 5s", ""]
+    lines += ["resolvers docker", "    nameserver dns 127.0.0.11:53", ""]
     dns = "resolvers docker init-addr last,libc,none"
     grpc = [f"server {s} {s}:8001 {dns} proto h2 check port 8000 check-proto h1" for s in services]
     http = [f"server {s} {s}:8000 {dns} check" for s in services]
@@ -357,9 +360,8 @@ def drain(metrics_url: str, settle_s: float, timeout_s: float, poll_s: float = 1
             values = scrape_metrics(metrics_url)
         except OSError:
             return True  # the server is gone: nothing left to wait for
-        busy = values.get("specdec_running_batch_size", 0) + values.get(
-            "specdec_queued_requests", 0
-        )
+        gauges = ("specdec_running_batch_size", "specdec_queued_requests")
+        busy = sum(v for k, v in values.items() if k.split("{")[0] in gauges)
         if not busy:
             return True
         if time.monotonic() > deadline:
