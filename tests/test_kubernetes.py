@@ -14,12 +14,20 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
-from specdec.gateway import MAX_PODS, check_config, haproxy_binary, render_kubernetes_config
+from specdec.gateway import (
+    MAX_PODS,
+    check_config,
+    drain,
+    haproxy_binary,
+    render_kubernetes_config,
+)
 from specdec.launch import PROJECT_ROOT
 
 DEPLOY = PROJECT_ROOT / "deploy" / "kubernetes"
@@ -235,8 +243,6 @@ def test_triton_probes_ports_and_gpu(rendered, variant):
 
 
 def test_prestop_drains_within_the_grace_period(rendered):
-    from specdec import gateway
-
     spec = pod_spec(rendered["base"], "specdec-triton")
     command = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert command[:4] == ["python3", "-m", "specdec.gateway", "drain"]
@@ -244,7 +250,45 @@ def test_prestop_drains_within_the_grace_period(rendered):
     exit_timeout = int(re.search(r"--exit-timeout-secs=(\d+)", entrypoint_text())[1])
     budget = float(options["settle-seconds"]) + float(options["timeout-seconds"]) + exit_timeout
     assert budget < spec["terminationGracePeriodSeconds"]
-    assert callable(gateway.drain)
+
+
+class Metrics(BaseHTTPRequestHandler):
+    """A replica's /metrics: busy (one stream running, one queued) for the first `busy`
+    scrapes, then idle."""
+
+    busy = 0
+    scrapes = 0
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        cls.scrapes += 1
+        running, queued = (1, 1) if cls.scrapes <= cls.busy else (0, 0)
+        body = (
+            f'specdec_running_batch_size{{model="speculative_decoding"}} {running}\n'
+            f'specdec_queued_requests{{model="speculative_decoding"}} {queued}\n'
+        ).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_drain_waits_until_nothing_runs_or_waits():
+    handler = type("Replica", (Metrics,), {"busy": 3})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        assert drain(url, settle_s=0, timeout_s=30, poll_s=0.01)
+        assert handler.scrapes == 4  # three busy answers, then idle
+        handler.busy, handler.scrapes = 10**6, 0
+        assert not drain(url, settle_s=0, timeout_s=0.2, poll_s=0.01)  # still busy: gives up
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert drain(url, settle_s=0, timeout_s=30)  # the server is gone: nothing to wait for
 
 
 def entrypoint_text() -> str:
