@@ -6,6 +6,10 @@ the real server."""
 from __future__ import annotations
 
 import queue
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +18,8 @@ import tritonclient.grpc as grpcclient
 from specdec.client import generate
 
 pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = [
@@ -322,3 +328,31 @@ def test_bad_values_are_refused_by_name_and_the_server_stays_up(server, params, 
     assert field in error.message(), error.message()
     assert server.ready
     assert greedy_alone(server.url, PROMPTS[2], 4)
+
+
+def test_the_stream_client_prints_every_sequence_with_its_log_probs(server):
+    """clients/stream_client.py, as the README runs it: two sampled sequences of one prompt."""
+    command = [
+        sys.executable,
+        str(ROOT / "clients" / "stream_client.py"),
+        "--url",
+        server.url,
+        "--chat",
+        "Name two planets.",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "5",
+        "--num-return-sequences",
+        "2",
+        "--log-probs",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    headers = re.findall(
+        r"^--- sequence (\d) \((\d+) tokens, cum_log_probs (-?[\d.]+)\)$", run.stdout, flags=re.M
+    )
+    assert [h[0] for h in headers] == ["0", "1"], run.stdout
+    assert all(int(tokens) > 0 and float(value) < 0 for _, tokens, value in headers)
