@@ -13,8 +13,8 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 REPLICAS ?= 1
 ENGINE ?= torch
-# The engines' precision (specdec/engines.py): auto = bfloat16 where the CPU (avx512_bf16,
-# amx_bf16) or GPU has it. Test servers ignore it: ManagedServer takes its settings from a
+# The engines' precision (specdec/engines/select.py): auto = bfloat16 where the CPU
+# (avx512_bf16, amx_bf16) or GPU has it. Test servers ignore it: ManagedServer takes its settings from a
 # dict, and the committed configs say float32 (the exactness tests need it).
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
@@ -32,7 +32,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 
 venv: $(VENV)/.installed
 
-$(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/checkpoint.py $(wildcard drafts/*/draft.safetensors)
+$(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/engines/checkpoint.py $(wildcard drafts/*/draft.safetensors)
 	$(PY) build/prepare_models.py --models-dir $(MODELS)
 	touch $@
 

@@ -5,14 +5,13 @@
     python -m build.build_trt CHECKPOINT --print-profiles   # the profiles only (no GPU)
 
 Each checkpoint's graph is exported in --dtype (float16, bfloat16, or auto: bfloat16 where
-the GPU has it, as the server's DTYPE=auto picks; specdec/engines.py) into <plan folder>/onnx,
-then built strongly typed with optimization profiles for --num-slots sequences of
---max-context positions (specdec/trt_engine.py: optimization_profiles). Plans go to
-.run/engines/<checkpoint folder name>/tensorrt-<dtype>, where the tensorrt engine looks for
-them (or --out, one checkpoint). A plan that already serves the limits on this TensorRT
-and GPU is kept; any other is rebuilt, and the reason printed (specdec/trt_engine.py:
-plan_mismatch).
-"""
+the GPU has it, as the server's DTYPE=auto picks; specdec/engines/select.py) into <plan
+folder>/onnx, then built strongly typed with optimization profiles for --num-slots sequences
+of --max-context positions (specdec/engines/trt_engine.py: optimization_profiles). Plans go
+to .run/engines/<checkpoint folder name>/tensorrt-<dtype>, where the tensorrt engine looks
+for them (or --out, one checkpoint). A plan that already serves the limits on this TensorRT
+and GPU is kept; any other is rebuilt, and the reason printed
+(specdec/engines/trt_engine.py: plan_mismatch). """
 
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from build.export_onnx import hf_directory
-from specdec.engines import DTYPES, engine_dtype
-from specdec.trt_engine import default_plan_dir, ensure_plan, optimization_profiles
+from specdec.engines.select import DTYPES, engine_dtype
+from specdec.engines.trt_engine import default_plan_dir, ensure_plan, optimization_profiles
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +60,7 @@ def run(config: TrtBuildConfig) -> list[Path]:
         source = hf_directory(checkpoint, PROJECT_ROOT / ".run" / "checkpoints")
         if config.print_profiles:
             hf = json.loads((source / "config.json").read_text())
-            from specdec.llama import LlamaConfig
+            from specdec.engines.llama import LlamaConfig
 
             c = LlamaConfig.from_hf(hf)
             table = profiles_table(config, c.num_layers, c.num_kv_heads, c.head_dim)

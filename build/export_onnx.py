@@ -8,7 +8,7 @@ A checkpoint is a Hugging Face directory (config.json + safetensors: Llama, Qwen
 SmolLM) or a GGUF file, dequantized once into .run/checkpoints/<name>. Each export goes to
 --out (one checkpoint) or .run/engines/<checkpoint folder name>/onnx-<dtype>, where the
 onnxruntime engine looks for it; an export already current for the weights is kept.
-The graph's interface is in specdec/onnx_export.py.
+The graph's interface is in specdec/engines/onnx_export.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.onnx_export import DTYPES, default_engine_dir, ensure_exported, is_current
+from specdec.engines.onnx_export import DTYPES, default_engine_dir, ensure_exported, is_current
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def hf_directory(checkpoint: Path, work_root: Path) -> Path:
         return checkpoint
     if checkpoint.suffix != ".gguf":
         raise ValueError(f"{checkpoint}: expected a Hugging Face directory or a .gguf file")
-    from specdec.checkpoint import convert_gguf
+    from specdec.engines.checkpoint import convert_gguf
 
     out_dir = work_root / checkpoint.stem
     if not (out_dir / "config.json").exists():

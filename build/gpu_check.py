@@ -12,7 +12,7 @@ Each step is recorded with its outcome; a failed step does not stop the next one
    the server with ENGINE=tensorrt.
 Steps 3 and 4 serve k = 0, k = 4 and adaptive to one stream, and k = 0 and adaptive to each
 level of --streams (output tokens/s of each), and hold every greedy text to the reference by
-the tie-aware rule (specdec/greedy_parity.py): a text may leave the reference only where the
+the tie-aware rule (specdec/engines/greedy_parity.py): a text may leave the reference only where the
 reference's top-2 logits lie within --tie-margin; a divergence anywhere else fails the step.
 The exit status is 0 when every step that ran passed.
 """
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.greedy_parity import TIE_MARGIN
+from specdec.engines.greedy_parity import TIE_MARGIN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODES = {"k0": 0, "k4": 4, "adaptive": None}  # num_draft_tokens; None = the server's choice
@@ -76,7 +76,7 @@ def environment() -> dict:
 
 
 def load_prompts(config: GpuCheckConfig) -> list[str]:
-    from specdec.tokenizer import TextTokenizer
+    from specdec.text.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(config.target)
     lines = (PROJECT_ROOT / "loadtest" / "prompts.jsonl").read_text().splitlines()
@@ -87,8 +87,8 @@ def load_prompts(config: GpuCheckConfig) -> list[str]:
 
 def reference_paths(config: GpuCheckConfig, tokenizer, prompts: list[str]) -> list:
     """The CPU float32 reference: per prompt, greedy token ids and their top-2 logit gaps."""
-    from specdec.greedy_parity import greedy_path
-    from specdec.llama import LlamaEngine
+    from specdec.engines.greedy_parity import greedy_path
+    from specdec.engines.llama import LlamaEngine
 
     engine = LlamaEngine.from_checkpoint(config.target, 1, config.max_context)
     eos = tokenizer.eos_token_id
@@ -132,7 +132,7 @@ def measure(url: str, prompts: list[str], k: int | None, max_tokens: int, stream
 def parity(reference, texts: list[str], margin: float) -> dict:
     """Texts against the reference by the tie-aware rule: the near ties they part at, and
     the divergences outside the margin (bugs)."""
-    from specdec.greedy_parity import find_divergences
+    from specdec.engines.greedy_parity import find_divergences
 
     tokenizer, paths = reference
     found = find_divergences(tokenizer.decode, paths, texts, tokenizer.eos_token_id)
@@ -205,9 +205,9 @@ def step(report: dict, name: str, action) -> dict | None:
 
 
 def tensorrt_step(config: GpuCheckConfig, prompts, reference) -> dict:
-    from specdec.engines import engine_dtype
-    from specdec.onnx_engine import default_engines_root
-    from specdec.trt_engine import default_plan_dir, ensure_plan
+    from specdec.engines.onnx_engine import default_engines_root
+    from specdec.engines.select import engine_dtype
+    from specdec.engines.trt_engine import default_plan_dir, ensure_plan
 
     dtype = engine_dtype("tensorrt", config.dtype, "cuda")  # auto: bfloat16 if the GPU has it
     builds = {}
@@ -238,7 +238,7 @@ def run(config: GpuCheckConfig) -> dict:
 
 
 def run_steps(config: GpuCheckConfig, report: dict) -> None:
-    from specdec.tokenizer import TextTokenizer
+    from specdec.text.tokenizer import TextTokenizer
 
     prompts, tokenizer = load_prompts(config), TextTokenizer(config.target)
 

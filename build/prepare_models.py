@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.checkpoint import assemble_draft, convert_gguf, default_gguf, truncate_layers
+from specdec.engines.checkpoint import assemble_draft, convert_gguf, default_gguf, truncate_layers
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

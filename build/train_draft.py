@@ -35,11 +35,11 @@ from build.draft_prompts import (
     drop_evaluation_prompts,
     templated_prompts,
 )
-from specdec.engine import LocalEngines
-from specdec.llama import HEAD_TOKEN_IDS, LlamaEngine, load_hf_checkpoint
-from specdec.request import GenerationRequest
-from specdec.scheduler import SchedulerConfig, SpeculativeScheduler
-from specdec.tokenizer import TextTokenizer
+from specdec.engines.interface import LocalEngines
+from specdec.engines.llama import HEAD_TOKEN_IDS, LlamaEngine, load_hf_checkpoint
+from specdec.loop.scheduler import SchedulerConfig, SpeculativeScheduler
+from specdec.text.request import GenerationRequest
+from specdec.text.tokenizer import TextTokenizer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DRAFT_WEIGHTS = "draft.safetensors"

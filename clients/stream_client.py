@@ -40,7 +40,7 @@ class ClientConfig:
 def run(config: ClientConfig) -> int:
     prompt = config.prompt
     if config.chat:
-        from specdec.tokenizer import TextTokenizer
+        from specdec.text.tokenizer import TextTokenizer
 
         prompt = TextTokenizer(config.tokenizer).apply_chat_template(prompt)
     params = dict(

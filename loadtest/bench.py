@@ -93,7 +93,7 @@ class LevelResult:
 
 def load_prompts(path: Path) -> list[str]:
     """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines."""
-    from specdec.tokenizer import TextTokenizer
+    from specdec.text.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

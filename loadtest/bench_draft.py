@@ -59,7 +59,7 @@ class Tally:
 
 def held_out_prompts(config: DraftBenchConfig) -> list[str]:
     """An even spread over the categories of the prompts file, chat-formatted."""
-    from specdec.tokenizer import TextTokenizer
+    from specdec.text.tokenizer import TextTokenizer
 
     items = [json.loads(line) for line in config.prompts.read_text().splitlines() if line]
     by_category: dict[str, list[str]] = {}
@@ -76,7 +76,7 @@ def held_out_prompts(config: DraftBenchConfig) -> list[str]:
 
 def step_costs(config: DraftBenchConfig) -> dict:
     """Median seconds of one decode step at batch 1, draft and target, same engine code."""
-    from specdec.llama import LlamaEngine
+    from specdec.engines.llama import LlamaEngine
 
     costs = {}
     for role, path in (("target", config.target), ("draft", config.draft)):
@@ -128,7 +128,7 @@ def served(config: DraftBenchConfig, prompts: list[str]) -> dict[str, Tally]:
 def transformers_generate(config: DraftBenchConfig, prompts: list[str]) -> dict[str, Tally]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.hf_draft import load_hf_draft
+    from specdec.engines.hf_draft import load_hf_draft
 
     tokenizer = AutoTokenizer.from_pretrained(str(config.target))
     target = AutoModelForCausalLM.from_pretrained(str(config.target), dtype=torch.float32)

@@ -5,7 +5,7 @@
     python -m specdec.launch --exit-when-unready   # containers: exit 1 when a stub died
 
 Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
-onnxruntime or tensorrt; specdec/engines.py), DEVICE (torch engine: cpu or cuda), DTYPE
+onnxruntime or tensorrt; specdec/engines/select.py), DEVICE (torch engine: cpu or cuda), DTYPE
 (the engines' precision: float32, bfloat16, float16 or auto; unset: the committed float32),
 DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
 .run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,

@@ -50,7 +50,7 @@ from specdec.openai_protocol import (
     triton_params,
     validation_error,
 )
-from specdec.tokenizer import TextTokenizer, load_tokenizer
+from specdec.text.tokenizer import TextTokenizer, load_tokenizer
 
 T = TypeVar("T")
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from specdec.client import generate
-from specdec.greedy_parity import TIE_MARGIN, find_divergences, greedy_path
+from specdec.engines.greedy_parity import TIE_MARGIN, find_divergences, greedy_path
+from specdec.engines.llama import LlamaEngine
 from specdec.launch import ManagedServer
-from specdec.llama import LlamaEngine
-from specdec.tokenizer import load_tokenizer
+from specdec.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.controller import AdaptiveController, CostCurve, expected_tokens
+from specdec.loop.controller import AdaptiveController, CostCurve, expected_tokens
 
 
 def test_expected_tokens():

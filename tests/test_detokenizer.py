@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.detokenizer import IncrementalDetokenizer
-from specdec.tokenizer import TextTokenizer
+from specdec.text.detokenizer import IncrementalDetokenizer
+from specdec.text.tokenizer import TextTokenizer
 
 SAMPLES = [
     "Hello, world! Speculative decoding keeps the target's distribution.",

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import DRAFT
-from specdec.llama import LlamaEngine
-from specdec.rejection import rejection_sample
-from specdec.sampling import RowSampling, probs_from_logits, sample_token
+from specdec.engines.llama import LlamaEngine
+from specdec.engines.sampling import RowSampling, probs_from_logits, sample_token
+from specdec.loop.rejection import rejection_sample
 from stats import CHI2_CRITICAL_0_001, chi_square
 
 
@@ -71,7 +71,7 @@ def test_rejection_with_the_real_draft_reproduces_the_target(draft_engine, targe
 
 
 def test_transformers_wrapper_matches_the_engine(draft_engine):
-    from specdec.hf_draft import load_hf_draft
+    from specdec.engines.hf_draft import load_hf_draft
 
     model = load_hf_draft(DRAFT)
     ids = [1, 504, 3575, 282, 4649, 314]

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engine import EngineBatch, lookback_lengths, run_draft, run_target
-from specdec.llama import LlamaEngine
-from specdec.sampling import RowSampling, probs_from_logits
+from specdec.engines.interface import EngineBatch, lookback_lengths, run_draft, run_target
+from specdec.engines.llama import LlamaEngine
+from specdec.engines.sampling import RowSampling, probs_from_logits
 
 
 @pytest.fixture(scope="module")

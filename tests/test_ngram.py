@@ -1,4 +1,4 @@
-"""Prompt lookup (specdec/ngram.py) and its use by the loop, with scripted engines."""
+"""Prompt lookup (specdec/loop/ngram.py) and its use by the loop, with scripted engines."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 
 import fakes
 from fakes import FakeEngines, fake_decode
-from specdec.ngram import NgramCandidate, NgramIndex, plan_ngram_tokens
-from specdec.request import GenerationRequest
-from specdec.scheduler import SchedulerConfig, SpeculativeScheduler
+from specdec.loop.ngram import NgramCandidate, NgramIndex, plan_ngram_tokens
+from specdec.loop.scheduler import SchedulerConfig, SpeculativeScheduler
+from specdec.text.request import GenerationRequest
 
 
 def brute_force(tokens: list[int], max_tokens: int, lengths=(3, 2, 1)) -> list[int]:

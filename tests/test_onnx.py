@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from conftest import DRAFT, TARGET
-from specdec.launch import PROJECT_ROOT, ManagedServer
-from specdec.llama import LlamaEngine
-from specdec.onnx_engine import OnnxEngine, group_rows, pad_rows
-from specdec.onnx_export import (
+from specdec.engines.llama import LlamaEngine
+from specdec.engines.onnx_engine import OnnxEngine, group_rows, pad_rows
+from specdec.engines.onnx_export import (
     default_engine_dir,
     dynamic_axes,
     ensure_exported,
@@ -23,6 +22,7 @@ from specdec.onnx_export import (
     is_current,
     output_names,
 )
+from specdec.launch import PROJECT_ROOT, ManagedServer
 
 ENGINES_ROOT = PROJECT_ROOT / ".run" / "engines"
 MAX_ABS_DIFF = 1e-3  # fp32, the bound

@@ -19,7 +19,7 @@ import pytest
 from live import scrape, wait_for
 from specdec.client import generate
 from specdec.launch import PROJECT_ROOT, end_with_parent, free_port
-from specdec.tokenizer import load_tokenizer
+from specdec.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.server
 

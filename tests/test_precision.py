@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import DRAFT
-from specdec.engines import create_engine, engine_dtype, resolve_dtype
+from specdec.engines.llama import LlamaEngine
+from specdec.engines.select import create_engine, engine_dtype, resolve_dtype
 from specdec.launch import ENGINE_MODELS, ServerConfig, render_repository
-from specdec.llama import LlamaEngine
 
 CPU_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 CPU_WITH_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_tile amx_bf16 amx_int8\n"
@@ -149,7 +149,7 @@ def teacher_forced(engine: LlamaEngine, prompt: list[int], tokens: list[int]) ->
 
 
 def test_bfloat16_agrees_with_float32_on_greedy_tokens(engines, target_dir):
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(target_dir))
     prompt = tokenizer.encode(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.rejection import Verdict, rejection_sample, verify_greedy
-from specdec.sampling import sample_token
+from specdec.engines.sampling import sample_token
+from specdec.loop.rejection import Verdict, rejection_sample, verify_greedy
 from stats import CHI2_CRITICAL_0_001, chi_square
 
 

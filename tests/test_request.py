@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.request import InvalidInput, parse_request, parse_requests, split_rows
+from specdec.text.request import InvalidInput, parse_request, parse_requests, split_rows
 
 
 def tokenize(text: str) -> list[int]:

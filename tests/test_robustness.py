@@ -18,7 +18,7 @@ from tritonclient.utils import np_to_triton_dtype
 from conftest import hf_greedy_text
 from live import is_final, scrape, start_bystander, start_victim, wait_for
 from specdec.client import generate
-from specdec.tokenizer import load_tokenizer
+from specdec.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.server
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.llama import LlamaConfig, rope_inv_freq
+from specdec.engines.llama import LlamaConfig, rope_inv_freq
 
 LLAMA_32_1B = {  # the rope-relevant part of meta-llama/Llama-3.2-1B-Instruct's config.json
     "model_type": "llama",

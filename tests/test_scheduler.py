@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fakes import FakeEngines, fake_decode, oracle_continuation
-from specdec.controller import Choice
-from specdec.request import GenerationRequest
-from specdec.scheduler import QueueFull, SchedulerConfig, SpeculativeScheduler
+from specdec.loop.controller import Choice
+from specdec.loop.scheduler import QueueFull, SchedulerConfig, SpeculativeScheduler
+from specdec.text.request import GenerationRequest
 
 
 def make_scheduler(num_slots=4, k=3, max_context=256, fail_on_call=None, max_queue=64):
@@ -165,7 +165,7 @@ def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
             clock[0] += 0.010
             return super().target(batch)
 
-    monkeypatch.setattr("specdec.scheduler.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", lambda: clock[0])
     engines = TimedEngines(4)
     config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
     scheduler = SpeculativeScheduler(engines, config, fake_decode)

@@ -22,11 +22,10 @@ import pytest
 import torch
 
 from conftest import DRAFT, TARGET
-from specdec.engine import LOOKBACK_TOKENS, EngineBatch, run_draft, run_target
-from specdec.launch import PROJECT_ROOT
-from specdec.llama import LlamaConfig, LlamaEngine
-from specdec.onnx_engine import OnnxEngine, group_rows, manifest_config, pad_rows
-from specdec.onnx_export import (
+from specdec.engines.interface import LOOKBACK_TOKENS, EngineBatch, run_draft, run_target
+from specdec.engines.llama import LlamaConfig, LlamaEngine
+from specdec.engines.onnx_engine import OnnxEngine, group_rows, manifest_config, pad_rows
+from specdec.engines.onnx_export import (
     FORMAT_VERSION,
     MANIFEST,
     checkpoint_fingerprint,
@@ -35,7 +34,7 @@ from specdec.onnx_export import (
     input_names,
     output_names,
 )
-from specdec.trt_engine import (
+from specdec.engines.trt_engine import (
     MAX_LOGITS,
     PLAN_FILES,
     Profile,
@@ -46,6 +45,7 @@ from specdec.trt_engine import (
     plan_mismatch,
     select_profile,
 )
+from specdec.launch import PROJECT_ROOT
 
 ENGINES_ROOT = PROJECT_ROOT / ".run" / "engines"
 HAS_GPU = torch.cuda.is_available()
@@ -155,7 +155,7 @@ def test_torch_engine_on_cuda_matches_cpu(checkpoint):
 @needs_tensorrt
 @pytest.mark.gpu
 def test_tensorrt_plan_of_the_draft_follows_torch(tmp_path):
-    from specdec.trt_engine import TrtEngine
+    from specdec.engines.trt_engine import TrtEngine
 
     engine = TrtEngine.from_checkpoint(DRAFT, 4, 256, engine_dir=tmp_path / "plan")
     reference = LlamaEngine.from_checkpoint(DRAFT, 4, 256)
@@ -174,7 +174,7 @@ def test_tensorrt_plan_of_the_draft_follows_torch(tmp_path):
 
 @pytest.mark.skipif(HAS_GPU and HAS_TENSORRT, reason="TensorRT can run here")
 def test_tensorrt_engine_without_gpu_or_tensorrt_names_the_fallback():
-    from specdec.engines import create_engine
+    from specdec.engines.select import create_engine
 
     with pytest.raises(RuntimeError, match="ENGINE=torch DEVICE=cuda"):
         create_engine("tensorrt", DRAFT, 2, 64)
@@ -391,12 +391,12 @@ def fake_trt(monkeypatch) -> FakeTensorRT:
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
     trt = FakeTensorRT(cuda)
     monkeypatch.setitem(sys.modules, "tensorrt", trt.module())
-    monkeypatch.setattr("specdec.trt_engine.current_environment", lambda: dict(ENVIRONMENT))
+    monkeypatch.setattr("specdec.engines.trt_engine.current_environment", lambda: dict(ENVIRONMENT))
     return trt
 
 
 def tiny_onnx_dir(root: Path, head_token_ids: np.ndarray | None = None) -> Path:
-    """An export's folder as specdec/onnx_export.py writes it, of a TINY graph."""
+    """An export's folder as specdec/engines/onnx_export.py writes it, of a TINY graph."""
     onnx_dir = root / "onnx"
     onnx_dir.mkdir(parents=True)
     (onnx_dir / "model.onnx").write_bytes(b"graph")
@@ -558,7 +558,7 @@ def test_a_stale_or_foreign_plan_is_rebuilt_with_the_reason(
     fake_trt, tmp_path, monkeypatch, capsys, case
 ):
     onnx_dir = tiny_onnx_dir(tmp_path, head_token_ids=np.arange(10))
-    monkeypatch.setattr("specdec.onnx_export.ensure_exported", lambda *args: onnx_dir)
+    monkeypatch.setattr("specdec.engines.onnx_export.ensure_exported", lambda *args: onnx_dir)
     plan_dir = tmp_path / "plan"
     ensure_plan(DRAFT, plan_dir, 4, 64, "float16" if case == "dtype" else "float32")
     assert len(fake_trt.builds) == 1
@@ -703,7 +703,7 @@ def test_contexts_share_one_user_managed_activation_block(fake_trt, tmp_path):
 
 
 def test_tensorrt_10_0_sizes_and_sets_the_block_without_the_v2_calls(fake_trt, tmp_path):
-    from specdec.trt_engine import create_contexts
+    from specdec.engines.trt_engine import create_contexts
 
     plan = FakePlan([{}, {}], fake_trt.cuda, memory_size=0)
     del plan.device_memory_size_v2
@@ -742,7 +742,7 @@ def test_tensorrt_10_0_sizes_and_sets_the_block_without_the_v2_calls(fake_trt, t
 def test_create_engine_passes_the_dtype_to_the_tensorrt_engine(
     monkeypatch, requested, gpu_has_bf16, chosen
 ):
-    import specdec.engines as engines
+    import specdec.engines.select as engines
 
     asked = {}
     monkeypatch.setattr(engines, "require_tensorrt", lambda: None)

@@ -4,7 +4,7 @@ execute() only validates and enqueues; one loop thread owns the scheduler, calls
 models (non-decoupled, one call each per iteration) and sends every response. A request
 of several prompts, or of num_return_sequences > 1, runs one sequence per prompt and
 sequence; their responses share the request's sender (tagged with batch_index and
-sequence_index, specdec/responses.py). Each request ends with exactly one FINAL response on
+sequence_index, specdec/serving/responses.py). Each request ends with exactly one FINAL response on
 every path: success, bad input, engine error, cancellation, shutdown.
 """
 
@@ -17,13 +17,19 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engine import EngineBatch, EngineResult
-from specdec.request import PROPOSERS, InvalidInput, parse_requests
-from specdec.responses import response_arrays
-from specdec.scheduler import QueueFull, SchedulerConfig, Sequence, SpeculativeScheduler, Update
+from specdec.engines.interface import EngineBatch, EngineResult
+from specdec.loop.scheduler import (
+    QueueFull,
+    SchedulerConfig,
+    Sequence,
+    SpeculativeScheduler,
+    Update,
+)
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
-from specdec.tokenizer import load_tokenizer
+from specdec.serving.responses import response_arrays
+from specdec.text.request import PROPOSERS, InvalidInput, parse_requests
+from specdec.text.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]

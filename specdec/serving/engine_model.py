@@ -1,7 +1,7 @@
 """Glue of draft_model and target_model: one engine call per request, no batching by Triton.
 
 The `engine` parameter picks torch, onnxruntime or tensorrt, `dtype` its precision
-(float32, bfloat16, float16 or auto; specdec/engines.py).
+(float32, bfloat16, float16 or auto; specdec/engines/select.py).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engine import EngineBatch, run_draft, run_target
-from specdec.engines import create_engine
+from specdec.engines.interface import EngineBatch, run_draft, run_target
+from specdec.engines.select import create_engine
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 
 

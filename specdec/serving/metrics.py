@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from specdec.request import PROPOSERS
-from specdec.scheduler import IterationStats
+from specdec.loop.scheduler import IterationStats
+from specdec.text.request import PROPOSERS
 
 OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
 

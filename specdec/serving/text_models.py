@@ -1,4 +1,4 @@
-"""Glue of preprocessing (tokenize); the BLS detokenizes (specdec.detokenizer)."""
+"""Glue of preprocessing (tokenize); the BLS detokenizes (specdec.text.detokenizer)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec.serving.common import model_parameters, read_inputs, resolve_path
-from specdec.tokenizer import load_tokenizer
+from specdec.text.tokenizer import load_tokenizer
 
 
 def _error_response(message: str, code=None):

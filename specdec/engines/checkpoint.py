@@ -48,7 +48,7 @@ def truncate_layers(src: Path, dst: Path, num_layers: int) -> None:
     """
     from safetensors.torch import save_file
 
-    from specdec.llama import read_safetensors
+    from specdec.engines.llama import read_safetensors
 
     config = json.loads((src / "config.json").read_text())
     if not 0 < num_layers <= config["num_hidden_layers"]:
@@ -89,7 +89,7 @@ def assemble_draft(draft_dir: Path, target_dir: Path, out_dir: Path) -> None:
     and tokenizer."""
     from safetensors.torch import load_file, save_file
 
-    from specdec.llama import read_safetensors
+    from specdec.engines.llama import read_safetensors
 
     weights = {
         name: tensor.float() if tensor.is_floating_point() else tensor

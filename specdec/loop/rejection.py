@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import sample_token
+from specdec.engines.sampling import sample_token
 
 
 @dataclass

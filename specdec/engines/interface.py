@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from specdec.llama import LlamaEngine
-from specdec.sampling import (
+from specdec.engines.llama import LlamaEngine
+from specdec.engines.sampling import (
     RowSampling,
     block_end_tokens,
     greedy_tokens,

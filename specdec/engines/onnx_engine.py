@@ -1,7 +1,7 @@
-"""Engines that run an exported decoder graph (specdec/onnx_export.py) over a slot KV cache.
+"""Engines that run an exported decoder graph (specdec/engines/onnx_export.py) over a slot KV cache.
 
 `GraphEngine` has `LlamaEngine`'s surface (`forward`, `config`, `num_slots`, `max_length`),
-so specdec/engine.py drives any of them. It owns the cache (torch tensors, on the CPU for
+so specdec/engines/interface.py drives any of them. It owns the cache (torch tensors, on the CPU for
 onnxruntime, on the GPU for TensorRT), and per call:
 1. groups the packed rows: short rows (decode, verify) share one padded call; long rows
    (prefill) run one by one, so a prompt does not pad every other row to its length;
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.llama import LlamaConfig
-from specdec.onnx_export import DTYPES, input_names, read_manifest
+from specdec.engines.llama import LlamaConfig
+from specdec.engines.onnx_export import DTYPES, input_names, read_manifest
 
 MAX_BATCHED_QUERY = 16  # rows with more new tokens than this run alone (as in llama.py)
 
@@ -216,7 +216,7 @@ class OnnxEngine(GraphEngine):
         engine_dir: str | Path | None = None,
     ) -> OnnxEngine:
         """Exports the checkpoint into engine_dir (default .run/engines/...) unless current."""
-        from specdec.onnx_export import default_engine_dir, ensure_exported
+        from specdec.engines.onnx_export import default_engine_dir, ensure_exported
 
         path = Path(path)
         if engine_dir is None:
@@ -232,5 +232,5 @@ def default_engines_root() -> Path:
     """SPECDEC_HOME/.run/engines (the project's .run/engines when unset)."""
     import os
 
-    home = os.environ.get("SPECDEC_HOME") or Path(__file__).resolve().parent.parent
+    home = os.environ.get("SPECDEC_HOME") or Path(__file__).resolve().parents[2]
     return Path(home) / ".run" / "engines"

@@ -13,7 +13,7 @@ values (the caller appends them to its own cache: the graph never copies the pas
     new_key.{i}      (B, kv_heads, T, head_dim)  (and new_value.{i}), after RoPE
 
 B, T, P and L are dynamic axes. New tokens attend causally among themselves and to every
-past key the mask allows. The module reuses specdec/llama.py's pieces, so the graph is the
+past key the mask allows. The module reuses specdec/engines/llama.py's pieces, so the graph is the
 torch engine's arithmetic; a draft's `draft.head_token_ids` goes to engine.json beside the
 graph (the engine spreads the head's logits over the vocabulary, -inf elsewhere).
 """
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.llama import (
+from specdec.engines.llama import (
     HEAD_TOKEN_IDS,
     LlamaConfig,
     load_hf_checkpoint,

@@ -1,10 +1,10 @@
 """The engine a draft_model / target_model instance runs, chosen by its `engine` parameter.
 
-- `torch`: specdec/llama.py on `device` ("cpu" or "cuda"): the reference, and the GPU
+- `torch`: specdec/engines/llama.py on `device` ("cpu" or "cuda"): the reference, and the GPU
   fallback where TensorRT is not installed.
-- `onnxruntime`: the exported graph (specdec/onnx_engine.py); exported from the checkpoint
+- `onnxruntime`: the exported graph (specdec/engines/onnx_engine.py); exported from the checkpoint
   into `engine_dir` (default .run/engines/<checkpoint name>/onnx-float32) when missing or stale.
-- `tensorrt`: a TensorRT plan of that graph (specdec/trt_engine.py), GPU only; built into
+- `tensorrt`: a TensorRT plan of that graph (specdec/engines/trt_engine.py), GPU only; built into
   `engine_dir` (default .run/engines/<checkpoint name>/tensorrt-<dtype>) when missing.
 
 Precision, the `dtype` parameter (DTYPE of make serve): float32, bfloat16, float16 or auto.
@@ -127,16 +127,16 @@ def create_engine(
     if kind == "torch":
         import torch
 
-        from specdec.llama import LlamaEngine
+        from specdec.engines.llama import LlamaEngine
 
         return LlamaEngine.from_checkpoint(
             checkpoint, num_slots, max_length, device, dtype=getattr(torch, chosen)
         )
     if kind == "onnxruntime":
-        from specdec.onnx_engine import OnnxEngine
+        from specdec.engines.onnx_engine import OnnxEngine
 
         return OnnxEngine.from_checkpoint(checkpoint, num_slots, max_length, engine_dir)
-    from specdec.trt_engine import TrtEngine
+    from specdec.engines.trt_engine import TrtEngine
 
     return TrtEngine.from_checkpoint(checkpoint, num_slots, max_length, engine_dir, dtype=chosen)
 

@@ -21,7 +21,7 @@ class InvalidInput(ValueError):
 
 
 # Where draft tokens come from: the draft model (a Triton model call) or prompt lookup in the
-# loop's own process (specdec/ngram.py).
+# loop's own process (specdec/loop/ngram.py).
 PROPOSERS = ("draft_model", "ngram")
 
 # TensorRT-LLM inputs we accept only at their neutral value: name -> neutral value.

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from specdec.llama import HEAD_TOKEN_IDS, read_safetensors
+from specdec.engines.llama import HEAD_TOKEN_IDS, read_safetensors
 
 
 class ReducedHeadLlama(LlamaForCausalLM):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.scheduler import Sequence
+from specdec.loop.scheduler import Sequence
 
 PERF_OUTPUTS = (
     "kv_cache_alloc_new_blocks",

@@ -25,12 +25,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specdec.controller import AcceptanceWindow, AdaptiveController, Choice
-from specdec.detokenizer import Decode, IncrementalDetokenizer
-from specdec.engine import LOOKBACK_TOKENS, EngineBatch, EngineResult
-from specdec.ngram import DEFAULT_MATCH_LENGTHS, NgramCandidate, NgramIndex, plan_ngram_tokens
-from specdec.rejection import Verdict, rejection_sample, verify_greedy
-from specdec.request import PROPOSERS, GenerationRequest
+from specdec.engines.interface import LOOKBACK_TOKENS, EngineBatch, EngineResult
+from specdec.loop.controller import AcceptanceWindow, AdaptiveController, Choice
+from specdec.loop.ngram import DEFAULT_MATCH_LENGTHS, NgramCandidate, NgramIndex, plan_ngram_tokens
+from specdec.loop.rejection import Verdict, rejection_sample, verify_greedy
+from specdec.text.detokenizer import Decode, IncrementalDetokenizer
+from specdec.text.request import PROPOSERS, GenerationRequest
 
 
 class Engines(Protocol):

@@ -1,6 +1,6 @@
 """TensorRT plans of the exported decoder graph, and the `tensorrt` engine that runs them.
 
-A plan is compiled from the ONNX that specdec/onnx_export.py writes, in float16 or bfloat16
+A plan is compiled from the ONNX that specdec/engines/onnx_export.py writes, in float16 or bfloat16
 (the graph exported in that dtype, built strongly typed: RMSNorm and softmax stay float32 as
 the graph says). Two optimization profiles cover what GraphEngine sends:
 - `decode`: B 1..num_slots rows of T 1..16 new tokens (decode, and verify of k + 1 <= 16);
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.engine import LOOKBACK_TOKENS
-from specdec.onnx_engine import MAX_BATCHED_QUERY, GraphEngine, default_engines_root
-from specdec.onnx_export import DTYPES, MANIFEST, input_names, read_manifest
+from specdec.engines.interface import LOOKBACK_TOKENS
+from specdec.engines.onnx_engine import MAX_BATCHED_QUERY, GraphEngine, default_engines_root
+from specdec.engines.onnx_export import DTYPES, MANIFEST, input_names, read_manifest
 
 PLAN_FILE = "model.plan"
 # Bump when a plan folder's layout or the meaning of its profiles changes: older plans are
@@ -214,7 +214,7 @@ def plan_mismatch(
     environment: dict[str, str],
 ) -> str | None:
     """Why plan_dir cannot serve this checkpoint for these limits here; None when it can."""
-    from specdec.onnx_export import checkpoint_fingerprint
+    from specdec.engines.onnx_export import checkpoint_fingerprint
 
     try:
         manifest = read_manifest(plan_dir)
@@ -310,7 +310,7 @@ def ensure_plan(
     one builder at a time per folder (a file lock)."""
     import fcntl
 
-    from specdec.onnx_export import ensure_exported
+    from specdec.engines.onnx_export import ensure_exported
 
     environment = environment or current_environment()
     plan_dir.mkdir(parents=True, exist_ok=True)
@@ -424,7 +424,7 @@ class TrtEngine(GraphEngine):
     ) -> None:
         import tensorrt as trt
 
-        from specdec.onnx_engine import manifest_config
+        from specdec.engines.onnx_engine import manifest_config
 
         plan_dir = Path(plan_dir)
         manifest, config, head = manifest_config(plan_dir)

@@ -1,0 +1,1 @@
+"""The decoding loop: in-flight batching, proposers, adaptive k, rejection sampling."""

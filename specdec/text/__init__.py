@@ -1,0 +1,1 @@
+"""The text side: tokenizer, incremental detokenizer, request validation."""
