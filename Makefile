@@ -19,7 +19,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models serve engines test test-unit lint format client draft bench bench-draft loadtest soak clean
+.PHONY: venv models haproxy serve engines test test-unit lint format client draft bench bench-draft loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -38,7 +38,15 @@ $(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/engines/
 
 models: $(MODELS)/.prepared
 
-serve: models
+# HAProxy, the gateway of REPLICAS > 1 and of the gateway tests, from Debian's packages where
+# we may install them; elsewhere those tests skip and say why.
+haproxy:
+	@command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; } || \
+	  echo "haproxy is not installed (apt-get install haproxy): the gateway tests will skip"
+
+serve: models $(if $(filter-out 1,$(REPLICAS)),haproxy)
 ifeq ($(REPLICAS),1)
 	$(PY) -m specdec.launch --openai
 else
@@ -58,7 +66,7 @@ engines: models
 		$${DRAFT_CHECKPOINT:-$(MODELS)/smollm2-135m-draft} \
 		--num-slots $${NUM_SLOTS:-64} --max-context $${MAX_CONTEXT:-2048} --dtype $(DTYPE); fi
 
-test: models
+test: models haproxy
 	$(PY) -m ruff check .
 	$(PY) -m pytest -ra
 
