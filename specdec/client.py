@@ -19,6 +19,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from specdec.serving.responses import PERF_OUTPUTS
+
 INPUT_TYPES: dict[str, tuple[str, type]] = {
     "max_tokens": ("INT32", np.int32),
     "stream": ("BOOL", np.bool_),
@@ -48,18 +50,6 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "return_generation_logits": ("BOOL", np.bool_),
     "use_draft_logits": ("BOOL", np.bool_),
 }
-PERF_OUTPUTS = (
-    "kv_cache_alloc_new_blocks",
-    "kv_cache_reused_blocks",
-    "kv_cache_alloc_total_blocks",
-    "arrival_time_ns",
-    "first_scheduled_time_ns",
-    "first_token_time_ns",
-    "last_token_time_ns",
-    "acceptance_rate",
-    "total_accepted_draft_tokens",
-    "total_draft_tokens",
-)
 METRIC_OUTPUTS = (*PERF_OUTPUTS, "num_input_tokens", "num_output_tokens", "cum_log_probs")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from specdec.client import generate
+from specdec.client import PERF_OUTPUTS, generate
 
 pytestmark = pytest.mark.server
 
@@ -29,18 +29,7 @@ PROMPTS = [
 ]
 TYPES = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32)}
 TYPE_OF_INPUT = {"random_seed": ("UINT64", np.uint64)}  # where it is not TYPES' default
-PERF = [
-    "kv_cache_alloc_new_blocks",
-    "kv_cache_reused_blocks",
-    "kv_cache_alloc_total_blocks",
-    "arrival_time_ns",
-    "first_scheduled_time_ns",
-    "first_token_time_ns",
-    "last_token_time_ns",
-    "acceptance_rate",
-    "total_accepted_draft_tokens",
-    "total_draft_tokens",
-]
+PERF = list(PERF_OUTPUTS)  # TensorRT-LLM's ten perf outputs
 ALL_OUTPUTS = [
     "text_output",
     "cum_log_probs",

@@ -27,9 +27,12 @@ TensorRT-LLM sends them). Only outputs the client requested are built.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from specdec.loop.scheduler import Sequence
+if TYPE_CHECKING:  # only for hints: clients import the output names without the loop
+    from specdec.loop.scheduler import Sequence
 
 PERF_OUTPUTS = (
     "kv_cache_alloc_new_blocks",
