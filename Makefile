@@ -104,8 +104,9 @@ bench-draft: models
 soak: models
 	$(PY) loadtest/soak.py --duration 600 --concurrency 8
 
-# Locust ramp 1..256 users: k = 0, adaptive, then k = 0 again, the spread between two ramps
-# of one mode (about 40 minutes).
+# Locust at 1, 4, 16, 64, 128, 256, 512 users; in each stage k = 0, adaptive and k = 0 again
+# take turns in windows (k = 0 against itself: the noise floor); Locust's tokens beside the
+# server's counter, TTFT, inter-chunk, queue, failures and refusals (35-45 minutes).
 loadtest: models
 	$(PY) loadtest/run_loadtest.py
 

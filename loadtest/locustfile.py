@@ -1,20 +1,34 @@
-"""Locust load test: streamed generations over gRPC with tritonclient.
+"""Locust load test: streamed generations over gRPC (tritonclient's protocol) or over the
+OpenAI-compatible HTTP API (server-sent events).
 
     .venv/bin/locust -f loadtest/locustfile.py --headless --host 127.0.0.1:8001 \
-        -u 64 -r 8 --run-time 2m --csv out
+        -u 64 -r 64 --run-time 2m --csv out
+    .venv/bin/locust -f loadtest/locustfile.py OpenAIUser --headless \
+        --host http://127.0.0.1:9000 -u 16 -r 16 --run-time 1m
 
-Each user owns one gRPC stream and sends chat prompts from loadtest/prompts.jsonl one after
-another. Per request it reports, as Locust entries of type "gRPC":
+`GrpcUser` (the default) streams from Triton's gRPC port; every user of a Locust process
+shares a few gRPC channels (loadtest/grpc_streams.py: one channel per user starved gevent's
+thread pool past ~10 users, and responses reached the users minutes late). `OpenAIUser`
+streams /v1/chat/completions (or /v1/completions with --openai-completions) with Locust's
+FastHttpUser. Users send chat prompts from loadtest/prompts.jsonl one after another. Per
+request they report, as Locust entries:
 - `generate`: whole-request latency, response length = output tokens (a failure if the
-  server answered with an error; `rejected` instead when it refused for overload);
+  server answered with an error);
+- `refused`: the server turned the request away for load (queue full, shutting down); a
+  failure of its own row, with the server's message;
 - `time_to_first_token` and `inter_chunk`: latencies in ms;
-- `tokens_per_s`: the request's output tokens per second, in the response-time column.
-Options: --max-tokens, --temperature, --top-p, --num-draft-tokens (-1: the server's
-choice), --model, --stream-timeout; --ramp runs the 1..256 users ramp (RampShape; --max-users
-ends it earlier), --smoke a 30-second one for CI.
+- `tokens_per_s`: the request's output tokens per second, in the response-time column
+  (Locust only aggregates times: higher is better in that row).
+Times are taken when a response reaches the user's greenlet.
 
-Note on tokens/s as an entry: Locust only aggregates times, so the `tokens_per_s` row's
-"response time" columns hold tokens per second (higher is better there).
+Which users, and in which mode (bench.MODES: k0, adaptive, ...): `--plan file.json` (what
+`make loadtest` writes: stages of users, each in windows that alternate the modes; a
+request takes the mode of the window it leaves in; after the last window the users go on
+until every request of the plan has finished); `--ramp` (1, 4, 16 ... --max-users users,
+--stage-seconds each up to 16 users, longer beyond as schedule.window_seconds, the mode of
+--num-draft-tokens); `--smoke` (1, 2, 4 users, 10 s each); none of them: Locust's -u, -r
+and --run-time. `--records` appends one JSON line per request (window, mode, send and
+arrival times, tokens per response, the server's times) for run_loadtest.py.
 """
 
 from __future__ import annotations
@@ -29,20 +43,25 @@ from pathlib import Path
 
 import grpc.experimental.gevent as grpc_gevent
 from gevent import monkey
-from locust import LoadTestShape, User, between, events, task
+from locust import FastHttpUser, LoadTestShape, User, between, events, task
 
-grpc_gevent.init_gevent()  # before tritonclient creates any channel
+grpc_gevent.init_gevent()  # before any gRPC channel exists
 
-from specdec.client import StreamingClient  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpc_streams import StreamPool, StreamResult, is_overload  # noqa: E402
+from schedule import STAGES, Window, build_plan, window_at  # noqa: E402
+
+from bench import MODES  # noqa: E402
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.jsonl"
 # ChatML as SmolLM2's template writes it (with its default system turn); --raw-prompts sends
-# the prompts as they are, for a model with another template.
+# the prompts as they are, for a model with another template. OpenAIUser sends messages.
 CHAT_FORMAT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
     "Face<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 )
-OVERLOAD_MARKERS = ("queue full", "shutting down", "UNAVAILABLE")
+SMOKE_USERS = [1, 2, 4]
+TAIL_SECONDS = 900.0  # --plan: the most the users go on after the last window
 
 
 @events.init_command_line_parser.add_listener
@@ -53,18 +72,19 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--num-draft-tokens", type=int, default=-1, help="-1: leave it to the server (adaptive)"
     )
-    parser.add_argument("--model", default="ensemble")
-    parser.add_argument("--stream-timeout", type=float, default=600.0)
-    parser.add_argument("--ramp", action="store_true", help="1, 2, 4 ... 256 users, then stop")
-    parser.add_argument("--smoke", action="store_true", help="a 30 s ramp 1, 2, 4 for CI")
-    parser.add_argument("--stage-seconds", type=float, default=60.0)
-    parser.add_argument("--max-users", type=int, default=256, help="--ramp: the last stage's users")
-    parser.add_argument("--raw-prompts", action="store_true", help="no chat format")
+    parser.add_argument("--model", default="ensemble", help="GrpcUser: the Triton model")
+    parser.add_argument("--stream-timeout", type=float, default=900.0)
+    parser.add_argument("--grpc-channels", type=int, default=4, help="per Locust process")
+    parser.add_argument("--openai-completions", action="store_true", help="/v1/completions")
+    parser.add_argument("--plan", default="", help="a plan of windows (run_loadtest.py)")
+    parser.add_argument("--ramp", action="store_true", help="1, 4, 16 ... --max-users users")
+    parser.add_argument("--smoke", action="store_true", help="1, 2, 4 users, 10 s each, for CI")
     parser.add_argument(
-        "--records",
-        default="",
-        help="append one JSON line per request here (run_loadtest.py reads it)",
+        "--stage-seconds", type=float, default=60.0, help="--ramp, to 16 users (x2 64, x3 128+)"
     )
+    parser.add_argument("--max-users", type=int, default=512, help="--ramp: the last stage")
+    parser.add_argument("--raw-prompts", action="store_true", help="no chat format")
+    parser.add_argument("--records", default="", help="append one JSON line per request here")
 
 
 EXIT_GRACE_SECONDS = 20.0
@@ -75,10 +95,10 @@ def bound_the_exit(exit_code: int, **_kwargs) -> None:
     """Locust has written its stats; make sure the process then ends within a grace period.
 
     In CI, one headless run printed its summary and then never exited: interpreter shutdown
-    blocked (gRPC's gevent mode is the likely party; every stream had been closed in
-    on_stop). A real OS thread, which gevent's monkey patching does not turn into a
-    greenlet, waits out the grace period, dumps every thread's stack to stderr for the
-    record, and ends the process with Locust's exit code. A normal exit never meets it."""
+    blocked (gRPC's gevent mode is the likely party). A real OS thread, which gevent's monkey
+    patching does not turn into a greenlet, waits out the grace period, dumps every thread's
+    stack to stderr for the record, and ends the process with Locust's exit code. A normal
+    exit never meets it."""
     start_real_thread = monkey.get_original("_thread", "start_new_thread")
     real_sleep = monkey.get_original("time", "sleep")
 
@@ -104,105 +124,288 @@ def load_prompts() -> list[str]:
 PROMPTS = load_prompts()
 
 
-class StreamingUser(User):
+def mode_of(num_draft_tokens: int) -> str:
+    """--num-draft-tokens as a mode name: -1 adaptive, 0 k0, else kN (made up if new)."""
+    if num_draft_tokens < 0:
+        return "adaptive"
+    name = f"k{num_draft_tokens}"
+    MODES.setdefault(
+        name, {"num_draft_tokens": num_draft_tokens, "fixed_num_draft_tokens": num_draft_tokens > 0}
+    )
+    return name
+
+
+def load_plan(options) -> list[Window]:
+    """The run's windows: --plan's file, or those --ramp / --smoke stand for."""
+    if options.plan:
+        return [Window(**w) for w in json.loads(Path(options.plan).read_text())["windows"]]
+    mode = mode_of(options.num_draft_tokens)
+    if options.smoke:  # each stage one window of 10 s, in two halves
+        return build_plan(SMOKE_USERS, [mode], 5.0)
+    stages = [u for u in STAGES if u <= options.max_users]
+    return build_plan(stages, [mode], options.stage_seconds / 2)
+
+
+class Tracker:
+    """What the shape needs to know of the users' requests: how many requests of the plan's
+    windows are still under way (after the last window the run waits for them)."""
+
+    outstanding = 0
+
+
+class PlanShape(LoadTestShape):
+    """Users and mode by the plan (--plan, --ramp, --smoke): each window's users, spawned
+    at once. After the last window the users go on in its mode (their requests not counted)
+    until the plan's requests have finished, at most TAIL_SECONDS; then the run stops."""
+
+    use_common_options = True
+    plan: list[Window] = []
+
+    def tick(self):
+        if not self.plan:
+            PlanShape.plan = load_plan(self.runner.environment.parsed_options)
+        run_time = self.get_run_time()
+        window = window_at(self.plan, run_time)
+        if window is not None:
+            return window.users, window.users
+        last = self.plan[-1]
+        if Tracker.outstanding > 0 and run_time < last.end_s + TAIL_SECONDS:
+            return last.users, last.users
+        return None
+
+
+if not any(flag in sys.argv for flag in ("--plan", "--ramp", "--smoke")):
+    del PlanShape  # Locust uses any shape class it finds; without one, -u/-r/--run-time
+
+
+class StreamingUser:
+    """What both users share: the mode of the moment, the records, the Locust entries."""
+
+    abstract = True
     wait_time = between(0.0, 0.2)
 
-    def on_start(self) -> None:
-        options = self.environment.parsed_options
-        self.options = options
-        self.client = StreamingClient(self.host or "127.0.0.1:8001", options.model)
+    def setup(self) -> None:
+        self.options = self.environment.parsed_options
         self.rng = random.Random()
-        template = "{prompt}" if options.raw_prompts else CHAT_FORMAT
+        self.current: tuple[dict, StreamResult] | None = None  # the request under way
+
+    def next_request(self) -> dict:
+        """The mode and window for a request leaving now, as a record to fill in."""
+        shape = self.environment.shape_class
+        window = None
+        if shape is not None and getattr(shape, "plan", None):
+            window = window_at(shape.plan, shape.get_run_time())
+        if window is None and shape is not None and getattr(shape, "plan", None):
+            mode, index = shape.plan[-1].mode, -1  # the tail: same mode, not counted
+        elif window is None:
+            mode, index = mode_of(self.options.num_draft_tokens), -1
+        else:
+            mode, index = window.mode, window.index
+        if index >= 0:
+            Tracker.outstanding += 1
+        return {"window": index, "mode": mode, "users": self.environment.runner.user_count}
+
+    def params(self, mode: str) -> dict:
+        o = self.options
+        params = dict(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p)
+        params.update(MODES[mode])
+        if o.temperature > 0:
+            params["seed"] = self.rng.randrange(2**32)
+        return params
+
+    def finish(self, record: dict, result: StreamResult) -> None:
+        """Locust entries and the record of one request."""
+        elapsed_ms = 1000 * result.elapsed
+        if result.error is not None:
+            refused = is_overload(result.error)
+            record["outcome"] = "refused" if refused else "failed"
+            record["error"] = result.error
+            fire("refused" if refused else "generate", elapsed_ms, exception=result.error)
+        else:
+            record["outcome"] = "ok"
+            tokens = result.num_output_tokens
+            fire("generate", elapsed_ms, length=tokens)
+            if result.time_to_first_token is not None:
+                fire("time_to_first_token", 1000 * result.time_to_first_token)
+            for before, after in zip(result.chunk_ns, result.chunk_ns[1:], strict=False):
+                fire("inter_chunk", (after - before) / 1e6)
+            if result.elapsed > 0:
+                fire("tokens_per_s", tokens / result.elapsed, length=tokens)
+        self.write(record, result)
+
+    def write(self, record: dict, result: StreamResult) -> None:
+        if record["window"] >= 0:
+            Tracker.outstanding -= 1
+        self.current = None
+        if not self.options.records:
+            return
+        metrics = result.metrics
+        record.update(
+            sent_ns=result.sent_ns,
+            done_ns=result.done_ns,
+            chunk_ns=result.chunk_ns,
+            chunk_tokens=result.chunk_tokens,
+            tokens=result.num_output_tokens,
+            drafted=int(metrics.get("total_draft_tokens", 0)),
+        )
+        for name in ("arrival", "first_scheduled", "first_token", "last_token"):
+            record[f"{name}_ns"] = int(metrics.get(f"{name}_time_ns", 0))
+        with open(self.options.records, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def stopped(self) -> None:
+        """Locust stopped the user mid-request: record what it had (outcome unfinished)."""
+        if self.current is not None:
+            record, result = self.current
+            record["outcome"] = "unfinished"
+            result.done_ns = result.done_ns or time.time_ns()
+            self.write(record, result)
+
+
+def fire(name: str, value_ms: float, length: int = 0, exception: str | None = None) -> None:
+    events.request.fire(
+        request_type="stream",
+        name=name,
+        response_time=value_ms,
+        response_length=length,
+        exception=None if exception is None else RuntimeError(exception),
+        context={},
+    )
+
+
+class GrpcUser(StreamingUser, User):
+    """Streams over gRPC on the process's shared channels (one StreamPool per host)."""
+
+    pools: dict[str, StreamPool] = {}
+
+    def on_start(self) -> None:
+        self.setup()
+        host = self.host or "127.0.0.1:8001"
+        if host not in self.pools:
+            self.pools[host] = StreamPool(host, self.options.model, self.options.grpc_channels)
+        self.pool = self.pools[host]
+        template = "{prompt}" if self.options.raw_prompts else CHAT_FORMAT
         self.prompts = [template.format(prompt=p) for p in PROMPTS]
 
     def on_stop(self) -> None:
-        self.client.close()
-
-    def _record(self, **fields) -> None:
-        if self.options.records:
-            fields.update(t=time.time(), users=self.environment.runner.user_count)
-            with open(self.options.records, "a") as handle:
-                handle.write(json.dumps(fields) + "\n")
-
-    def _fire(self, name: str, value_ms: float, length: int = 0, exception=None) -> None:
-        events.request.fire(
-            request_type="gRPC",
-            name=name,
-            response_time=value_ms,
-            response_length=length,
-            exception=exception,
-            context={},
-        )
+        self.stopped()
 
     @task
     def generate(self) -> None:
-        o = self.options
-        params = dict(
-            max_tokens=o.max_tokens,
+        record = self.next_request()
+        params = self.params(record["mode"])
+        params.update(
             stream=True,
-            temperature=o.temperature,
-            top_p=o.top_p,
             exclude_input_in_output=True,
             return_num_output_tokens=True,
             return_perf_metrics=True,
         )
-        if o.num_draft_tokens >= 0:  # exactly k (0: no speculation)
-            params["num_draft_tokens"] = o.num_draft_tokens
-            params["fixed_num_draft_tokens"] = True
-        if o.temperature > 0:
-            params["seed"] = self.rng.randrange(2**32)
-        start = time.perf_counter()
-        try:
-            result = self.client.generate(
-                self.rng.choice(self.prompts), timeout=o.stream_timeout, **params
-            )
-        except Exception as error:  # a stream that broke or timed out
-            self._fire("generate", 1000 * (time.perf_counter() - start), exception=error)
-            self._record(outcome="broken", elapsed=time.perf_counter() - start)
-            self.client.close()
-            self.client = StreamingClient(self.host or "127.0.0.1:8001", o.model)
-            return
-        elapsed_ms = 1000 * result.elapsed
-        if result.error is not None:
-            message = result.error.message() or str(result.error)
-            name = "rejected" if any(m in message for m in OVERLOAD_MARKERS) else "generate"
-            self._fire(name, elapsed_ms, exception=RuntimeError(message))
-            self._record(outcome=name, elapsed=result.elapsed)
-            return
-        tokens = int(result.metrics.get("num_output_tokens", 0))
-        self._fire("generate", elapsed_ms, length=tokens)
-        self._record(
-            outcome="ok",
-            elapsed=result.elapsed,
-            tokens=tokens,
-            ttft=result.time_to_first_token,
-            drafted=int(result.metrics.get("total_draft_tokens", 0)),
+
+        def on_chunk(result: StreamResult) -> None:
+            self.current = (record, result)
+
+        result = self.pool.generate(
+            self.rng.choice(self.prompts),
+            timeout=self.options.stream_timeout,
+            on_chunk=on_chunk,
+            **params,
         )
-        if result.time_to_first_token is not None:
-            self._fire("time_to_first_token", 1000 * result.time_to_first_token)
-        for before, after in zip(result.chunk_times, result.chunk_times[1:], strict=False):
-            self._fire("inter_chunk", 1000 * (after - before))
-        if result.elapsed > 0:
-            self._fire("tokens_per_s", tokens / result.elapsed, length=tokens)
+        self.finish(record, result)
 
 
-RAMP_USERS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-SMOKE_USERS = [1, 2, 4]
+class OpenAIUser(StreamingUser, FastHttpUser):
+    """Streams /v1/chat/completions (--openai-completions: /v1/completions) as server-sent
+    events, with stream_options.include_usage for the token count. The OpenAI wire format
+    carries no server times: its records have no server TTFT, and a chunk counts as one
+    token until the usage chunk gives the total. Of a mode only num_draft_tokens travels
+    (the API's extension field): k0 and adaptive mean what they mean over gRPC."""
 
-if "--ramp" in sys.argv or "--smoke" in sys.argv:  # Locust uses any shape class it finds
+    # Run it by name (`locust -f loadtest/locustfile.py OpenAIUser --host http://h:9000`);
+    # otherwise Locust would run it beside GrpcUser.
+    abstract = "OpenAIUser" not in sys.argv
+    models: dict[str, str] = {}  # host -> the model name the server serves
 
-    class RampShape(LoadTestShape):
-        """1, 2, 4, ... 256 users (--smoke: 1, 2, 4; --max-users: up to that), spawned at
-        once so that each stage measures a steady state. A stage holds --stage-seconds plus
-        0.5 s per user (with many users the queue is long, and a request takes longer);
-        --smoke holds 10 s. Stops by itself after the last stage."""
+    def on_start(self) -> None:
+        self.setup()
+        if self.host not in self.models:
+            with self.client.get("/v1/models", name="/v1/models") as response:
+                self.models[self.host] = response.json()["data"][0]["id"]
 
-        def tick(self):
-            options = self.runner.environment.parsed_options
-            elapsed, run_time = 0.0, self.get_run_time()
-            stages = SMOKE_USERS if options.smoke else RAMP_USERS
-            for users in [u for u in stages if u <= options.max_users]:
-                elapsed += 10.0 if options.smoke else options.stage_seconds + 0.5 * users
-                if run_time < elapsed:
-                    return users, users
-            return None
+    def on_stop(self) -> None:
+        self.stopped()
+
+    def body(self, mode: str) -> tuple[str, dict]:
+        params = self.params(mode)
+        body = {
+            "model": self.models[self.host],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": params["max_tokens"],
+            "temperature": params["temperature"],
+            "top_p": params["top_p"],
+        }
+        for name in ("seed", "num_draft_tokens"):
+            if name in params:
+                body[name] = params[name]
+        prompt = self.rng.choice(PROMPTS)
+        if self.options.openai_completions:
+            return "/v1/completions", {**body, "prompt": prompt}
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+
+    @task
+    def generate(self) -> None:
+        record = self.next_request()
+        path, body = self.body(record["mode"])
+        result = StreamResult(sent_ns=time.time_ns())
+        self.current = (record, result)
+        try:
+            # Locust's own entry for this call times the response headers only.
+            with self.client.post(
+                path, json=body, stream=True, catch_response=True, name=f"{path} (headers)"
+            ) as response:
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}: {response.text[:300]}"
+                else:
+                    read_events(response._response, result)
+                response.success()  # the entries below say how the stream went
+        except Exception as error:  # the connection broke
+            result.error = result.error or f"{type(error).__name__}: {error}"
+        result.done_ns = result.done_ns or time.time_ns()
+        self.finish(record, result)
+
+
+def read_events(stream, result: StreamResult) -> None:
+    """An OpenAI event stream into `result`, each event timed as its line arrives.
+    `stream.readline` returns a line as soon as it is complete (a sized read would wait
+    for its size)."""
+    while True:
+        line = stream.readline(b"\n")
+        if not line:
+            result.error = result.error or "the stream ended without [DONE]"
+            return
+        if line.startswith(b"data:") and sse_data(line[5:].strip(), result, time.time_ns()):
+            return
+
+
+def sse_data(data: bytes, result: StreamResult, now_ns: int) -> bool:
+    """One `data:` payload; True at [DONE]."""
+    if data == b"[DONE]":
+        result.done_ns = now_ns
+        return True
+    payload = json.loads(data)
+    if "error" in payload:
+        error = payload["error"]
+        result.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+        return False
+    for choice in payload.get("choices", []):
+        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+        if text:
+            result.text += text
+            result.chunk_ns.append(now_ns)
+            result.chunk_tokens.append(len(result.chunk_ns))  # a token per chunk, until usage
+    usage = payload.get("usage")
+    if usage:  # the true count: what the per-chunk guess missed goes to the last chunk
+        result.metrics["num_output_tokens"] = usage.get("completion_tokens", 0)
+        if result.chunk_tokens:
+            result.chunk_tokens[-1] = max(result.chunk_tokens[-1], result.num_output_tokens)
+    return False

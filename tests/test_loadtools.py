@@ -1,4 +1,5 @@
-"""The load tools against a real server: a Locust smoke ramp and a short perf_analyzer run."""
+"""The load tools against a real server: `make loadtest` in miniature, Locust on the OpenAI
+API, a short perf_analyzer run, a short soak, `make bench` in miniature."""
 
 from __future__ import annotations
 
@@ -9,47 +10,116 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_openai_api import api  # noqa: F401 - the fixture: the API on the test server
 
 from specdec.launch import PROJECT_ROOT
 
 pytestmark = pytest.mark.server
 
 
-def test_locust_smoke_ramp_streams_without_failures(server, tmp_path: Path):
-    records = tmp_path / "records.jsonl"
-    locust = Path(sys.executable).parent / "locust"
+def test_make_loadtest_smoke_interleaves_modes_and_agrees_with_the_server(server, tmp_path: Path):
+    """`make loadtest` in miniature: 1 and 2 users, k0 / adaptive / k0-again in 3 s windows;
+    Locust's entries, the records, and the summary's client against server tokens."""
     subprocess.run(
         [
-            str(locust),
-            "-f",
-            str(PROJECT_ROOT / "loadtest" / "locustfile.py"),
-            "--headless",
-            "--host",
-            server.url,
+            sys.executable,
+            str(PROJECT_ROOT / "loadtest" / "run_loadtest.py"),
             "--smoke",
-            "--max-tokens",
-            "16",
-            "--records",
-            str(records),
-            "--csv",
-            str(tmp_path / "smoke"),
-            "--only-summary",
+            "--url",
+            server.url,
+            "--metrics-url",
+            server.metrics_url,
+            "--out-dir",
+            str(tmp_path),
         ],
         check=True,
-        timeout=180,
+        timeout=300,
         cwd=PROJECT_ROOT,
     )
-    rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "smoke_stats.csv"))}
+    rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "locust_stats.csv"))}
     assert int(rows["generate"]["Request Count"]) >= 3
     assert int(rows["generate"]["Failure Count"]) == 0
     assert int(rows["time_to_first_token"]["Request Count"]) == int(
         rows["generate"]["Request Count"]
     )
     assert int(rows["inter_chunk"]["Request Count"]) > 0
-    recorded = [json.loads(line) for line in records.read_text().splitlines()]
-    assert {r["outcome"] for r in recorded} == {"ok"}
-    assert {r["users"] for r in recorded} <= {1, 2, 4}
-    assert all(0 < r["tokens"] <= 16 and r["drafted"] >= 0 for r in recorded)
+    plan = json.loads((tmp_path / "plan.json").read_text())["windows"]
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert {r["outcome"] for r in records} <= {"ok", "unfinished"}
+    counted = [r for r in records if r["window"] >= 0]
+    # Each window's requests in its mode (on a slow machine a 3 s window may start none).
+    modes = {r["mode"] for r in counted}
+    assert len(modes) >= 2 and modes <= {"k0", "adaptive", "k0-again"}
+    for r in counted:
+        window = plan[r["window"]]
+        assert (r["mode"], r["users"]) == (window["mode"], window["users"])
+    for r in (r for r in records if r["outcome"] == "ok"):
+        assert 0 < r["tokens"] <= 16 and r["chunk_tokens"][-1] == r["tokens"]
+        assert r["arrival_ns"] <= r["first_scheduled_ns"] <= r["first_token_ns"]
+        assert r["first_token_ns"] <= r["last_token_ns"] <= r["done_ns"]
+        assert r["sent_ns"] < r["chunk_ns"][0]
+    assert all(r["drafted"] == 0 for r in records if r["mode"] != "adaptive")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stages = summary["stages"]
+    assert {(s["users"], s["mode"]) for s in stages} == {
+        (u, m) for u in (1, 2) for m in ("k0", "adaptive", "k0-again")
+    }
+    assert all(s["failures"] == 0 and s["refusals"] == 0 for s in stages)
+    # Over the intervals each mode ran alone, the tokens the users received and those the
+    # server counted (sampled twice a second, so a few tokens apart at the edges).
+    timed = [s for s in stages if s["server_tokens_per_s"]]
+    assert sum(s["counted_s"] for s in timed) > 10
+    server_tokens = sum(s["server_tokens_per_s"] * s["counted_s"] for s in timed)
+    client_tokens = sum(s["client_tokens_per_s"] * s["counted_s"] for s in timed)
+    assert client_tokens == pytest.approx(server_tokens, rel=0.15)
+    assert (tmp_path / "summary.png").stat().st_size > 0
+    assert "| users | mode |" in (tmp_path / "summary.md").read_text()
+
+
+def test_locust_openai_user_streams_chat_completions(api, tmp_path: Path):  # noqa: F811
+    records = tmp_path / "records.jsonl"
+    subprocess.run(
+        [
+            str(Path(sys.executable).parent / "locust"),
+            "-f",
+            str(PROJECT_ROOT / "loadtest" / "locustfile.py"),
+            "OpenAIUser",
+            "--headless",
+            "--host",
+            api.removesuffix("/v1"),
+            "-u",
+            "2",
+            "-r",
+            "2",
+            "--run-time",
+            "20s",
+            "--max-tokens",
+            "16",
+            "--num-draft-tokens",
+            "0",
+            "--records",
+            str(records),
+            "--csv",
+            str(tmp_path / "openai"),
+            "--only-summary",
+        ],
+        check=True,
+        timeout=180,
+        cwd=PROJECT_ROOT,
+    )
+    rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "openai_stats.csv"))}
+    assert int(rows["generate"]["Request Count"]) >= 2
+    assert int(rows["generate"]["Failure Count"]) == 0
+    assert int(rows["time_to_first_token"]["Request Count"]) == int(
+        rows["generate"]["Request Count"]
+    )
+    assert int(rows["inter_chunk"]["Request Count"]) > 0
+    assert int(rows["tokens_per_s"]["Request Count"]) == int(rows["generate"]["Request Count"])
+    done = [json.loads(line) for line in records.read_text().splitlines()]
+    done = [r for r in done if r["outcome"] == "ok"]
+    assert done and all(r["mode"] == "k0" for r in done)
+    assert all(0 < r["tokens"] <= 16 and len(r["chunk_ns"]) >= 2 for r in done)
+    assert all(r["sent_ns"] < r["chunk_ns"][0] <= r["done_ns"] for r in done)
 
 
 def test_perf_analyzer_streams_the_ensemble(server):
