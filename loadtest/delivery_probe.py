@@ -113,14 +113,18 @@ def per_user(url: str, deadline: float, args, rows: list, requests: list) -> Non
 
 
 def shared(pool: StreamPool, deadline: float, args, rows: list, requests: list) -> None:
+    """StreamPool's call, read by this greenlet: callback and user are one time."""
     p = params(args.max_tokens, args.num_draft_tokens)
 
-    def on_chunk(result) -> None:
+    def on_chunk(result) -> None:  # each response with text, as it arrives
+        ns = result.chunk_ns[-1]
+        server_ns = int(result.metrics.get("last_token_time_ns", 0))
+        rows.append((id(result), server_ns, ns, ns, result.chunk_tokens[-1]))
         if len(result.chunk_ns) == 1:  # the request's entry, at its first token
             requests.append(
                 {
                     "sent": result.sent_ns,
-                    "first": result.chunk_ns[0],
+                    "first": ns,
                     "server_ttft_ns": int(1e9 * (result.server_time_to_first_token or 0)),
                 }
             )
@@ -129,13 +133,6 @@ def shared(pool: StreamPool, deadline: float, args, rows: list, requests: list) 
         result = pool.generate(PROMPT, on_chunk=on_chunk, **p)
         if result.error:
             requests.append({"error": result.error})
-            continue
-        # The shared path stamps in the greenlet that reads the call (callback == user);
-        # a result keeps the server's times of its last text response only.
-        key = id(result)
-        for i, (ns, tokens) in enumerate(zip(result.chunk_ns, result.chunk_tokens, strict=True)):
-            last = i == len(result.chunk_ns) - 1
-            rows.append((key, result.metrics["last_token_time_ns"] if last else 0, ns, ns, tokens))
 
 
 def sample_hub(deadline: float, samples: list) -> None:
@@ -198,14 +195,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=0)
     args = parser.parse_args()
-    # A run that cannot end (a hub that never wakes) shows where everything waits.
-    faulthandler.dump_traceback_later(args.seconds + 60, exit=True)
     server = None
     if args.url is None:
         from specdec.launch import ManagedServer
 
         server = ManagedServer("probe")
         args.url, args.metrics_url = server.url, server.metrics_url
+    # A run that cannot end (a hub that never wakes) shows where everything waits.
+    faulthandler.dump_traceback_later(args.seconds + 60, exit=True)
     try:
         rows: list = []
         requests: list = []

@@ -203,7 +203,11 @@ class StreamingUser:
             mode, index = window.mode, window.index
         if index >= 0:
             Tracker.outstanding += 1
-        return {"window": index, "mode": mode, "users": self.environment.runner.user_count}
+        record = {"window": index, "mode": mode, "users": self.environment.runner.user_count}
+        # Until its first response: what a user stopped now leaves (no server times: the
+        # accounting ignores it; the BLS drops it, an ensemble would still run it).
+        self.current = (record, StreamResult(sent_ns=time.time_ns()))
+        return record
 
     def params(self, mode: str) -> dict:
         o = self.options

@@ -12,6 +12,9 @@ a second. Each stage and mode is measured over the intervals in which the server
 its requests (see schedule.py), with the server's specdec_emitted_tokens_total and the
 tokens the users received side by side. Writes results/loadtest/: summary.json, .csv, .md
 (the table) and .png, the plan, the records, the metrics samples, Locust's CSV and HTML.
+Stages that lower the users (e.g. --stages 64,512,64,512) need --model speculative_decoding:
+Locust cancels the streams of the users it stops, and only the BLS itself hears that (an
+ensemble step runs on), so only then do the stopped users' requests leave the batch.
 """
 
 from __future__ import annotations
