@@ -169,6 +169,13 @@ class AttentionPlan:
     looped_rows: list[int]
 
 
+def copy_cache_prefix(caches, src: int, dst: int, length: int) -> None:
+    """Copies the first `length` positions of slot `src` into slot `dst` in each cache laid
+    out (layers, slots, heads, positions, ...), as every engine of this package keeps it."""
+    for cache in caches:
+        cache[:, dst, :, :length] = cache[:, src, :, :length]
+
+
 class LlamaEngine:
     """A Llama decoder whose KV cache holds `num_slots` sequences of `max_length` positions."""
 
@@ -354,9 +361,7 @@ class LlamaEngine:
         return logits.scatter_(1, top, exact)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Copies the first `length` cached positions of slot `src` into slot `dst`."""
-        for cache in (self.k_cache, self.v_cache):
-            cache[:, dst, :, :length] = cache[:, src, :, :length]
+        copy_cache_prefix((self.k_cache, self.v_cache), src, dst, length)
 
     @torch.inference_mode()
     def forward(

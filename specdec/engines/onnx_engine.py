@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.engines.llama import LlamaConfig
+from specdec.engines.llama import LlamaConfig, copy_cache_prefix
 from specdec.engines.onnx_export import DTYPES, input_names, read_manifest
 
 MAX_BATCHED_QUERY = 16  # rows with more new tokens than this run alone (as in llama.py)
@@ -101,9 +101,7 @@ class GraphEngine:
         raise NotImplementedError
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Copies the first `length` cached positions of slot `src` into slot `dst`."""
-        for cache in (self.k_cache, self.v_cache):
-            cache[:, dst, :, :length] = cache[:, src, :, :length]
+        copy_cache_prefix((self.k_cache, self.v_cache), src, dst, length)
 
     @torch.inference_mode()
     def forward(
