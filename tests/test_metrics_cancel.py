@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import hf_greedy_text
@@ -11,10 +13,13 @@ from specdec.client import generate
 pytestmark = pytest.mark.server
 
 NUM_SLOTS = 32  # the `server` fixture's
+# specdec/serving/metrics.py
+LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
 
 
 def test_metrics_count_what_the_loop_did(server):
     before = scrape(server.metrics_url)
+    started = time.monotonic()
     result = generate(
         "Count from one to twenty:",
         url=server.url,
@@ -24,10 +29,16 @@ def test_metrics_count_what_the_loop_did(server):
         return_perf_metrics=True,
         return_num_output_tokens=True,
     )
+    wall = time.monotonic() - started
     after = scrape(server.metrics_url)
 
     def delta(name):
         return after.get(name, 0) - before.get(name, 0)
+
+    # The loop's time by part: the step did the work, and the parts fit in the request's time.
+    loop = {p: delta(f'specdec_loop_seconds_total{{part="{p}"}}') for p in LOOP_PARTS}
+    assert loop["draft"] > 0 and loop["target"] > 0 and loop["respond"] > 0
+    assert sum(loop.values()) < wall
 
     assert delta("specdec_draft_tokens_total") == result.metrics["total_draft_tokens"]
     assert (

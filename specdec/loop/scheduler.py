@@ -93,6 +93,8 @@ class IterationStats:
     emitted_per_row: list[int] = field(default_factory=list)
     # proposer -> [draft tokens, accepted]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # the draft model's call (0 when no row drafted)
+    target_seconds: float = 0.0  # the target's call
 
 
 @dataclass
@@ -447,19 +449,24 @@ class SpeculativeScheduler:
         choice, all_adaptive, lookback_row = self._choose_num_draft_tokens(batch)
         drafting = [s for s in batch if s.proposer == "draft_model" or s is lookback_row]
         target_copies, draft_copies = self._plan_copies(batch, bool(drafting))
+        draft_start = time.perf_counter()
         proposals = self._propose(drafting, draft_copies) if drafting else {}
+        draft_seconds = time.perf_counter() - draft_start
         for sequence in batch:
             if sequence.proposer == "ngram":
                 proposals[sequence.id] = (sequence.ngram_proposal, None)  # point masses
         target_batch = self._target_batch(batch, proposals, target_copies)
         start = time.perf_counter()
         result = self.engines.target(target_batch)
+        target_seconds = time.perf_counter() - start
         if not admitted:  # a prefill is not what a decode step costs
-            self.controller.observe_target(len(target_batch.input_ids), time.perf_counter() - start)
+            self.controller.observe_target(len(target_batch.input_ids), target_seconds)
         stats = IterationStats(
             batch_size=len(batch),
             num_waiting=len(self.waiting),
             chosen_k=choice.k,
+            draft_seconds=draft_seconds if drafting else 0.0,
+            target_seconds=target_seconds,
         )
         updates = []
         probs_row = 0

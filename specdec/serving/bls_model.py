@@ -176,13 +176,16 @@ class TritonPythonModel:
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
+        clock = time.perf_counter
         while True:
             with self.lock:
                 while not self.stopping and not self.scheduler.has_work:
                     self.lock.wait()
                 if self.stopping:
                     return
+                started = clock()
                 self._mark_cancelled()
+            checked = clock()
             try:
                 updates = self.scheduler.step()
             except Exception as error:  # an engine failed: end every request, keep serving
@@ -192,6 +195,7 @@ class TritonPythonModel:
                         self.metrics.finished("error")
                     self.metrics.update_occupancy(0, 0, len(self.scheduler.free_slots))
                 continue
+            stepped = clock()
             with self.lock:
                 # Metrics first: a client that scrapes right after its final response sees
                 # its request counted and its slot free.
@@ -207,6 +211,12 @@ class TritonPythonModel:
                 )
                 for update in updates:
                     self._respond(update)
+                self.metrics.record_loop_seconds(
+                    cancel_check=checked - started,
+                    step=stepped - checked,
+                    respond=clock() - stepped,
+                    iteration=self.scheduler.last_iteration,
+                )
 
     def _mark_cancelled(self) -> None:
         """Drops cancelled streams, every sequence of the request. is_cancelled() crosses a

@@ -7,6 +7,10 @@ import triton_python_backend_utils as pb_utils
 from specdec.loop.scheduler import IterationStats
 from specdec.text.request import PROPOSERS
 
+# Where the loop's time goes, per iteration: asking Triton which streams were cancelled,
+# the draft model's call, the target's call, the rest of the scheduler's step (admission,
+# proposers, the controller, acceptance), building and sending the responses.
+LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
 OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
 
 
@@ -68,6 +72,14 @@ class LoopMetrics:
             "specdec_free_kv_slots", "KV cache slots free in each engine", gauge
         ).Metric(labels=labels)
         self.free_slots.set(num_slots)
+        loop_seconds = family(
+            "specdec_loop_seconds_total",
+            "Seconds the loop spent, by part (" + ", ".join(LOOP_PARTS) + ")",
+            counter,
+        )
+        self.loop_seconds = {
+            part: loop_seconds.Metric(labels={**labels, "part": part}) for part in LOOP_PARTS
+        }
         self.tokens_per_pass = family(
             "specdec_tokens_per_target_pass",
             "Tokens a sequence emits per target pass (accepted + 1)",
@@ -86,6 +98,23 @@ class LoopMetrics:
         for name, (proposed, accepted) in stats.by_proposer.items():
             self.proposer_tokens[name][0].increment(proposed)
             self.proposer_tokens[name][1].increment(accepted)
+
+    def record_loop_seconds(
+        self, cancel_check: float, step: float, respond: float, iteration: IterationStats | None
+    ) -> None:
+        """One iteration's time by part; the step splits into its engine calls and the rest."""
+        draft = target = 0.0
+        if iteration is not None:
+            draft, target = iteration.draft_seconds, iteration.target_seconds
+        seconds = {
+            "cancel_check": cancel_check,
+            "draft": draft,
+            "target": target,
+            "schedule": max(0.0, step - draft - target),
+            "respond": respond,
+        }
+        for part, value in seconds.items():
+            self.loop_seconds[part].increment(value)
 
     def update_occupancy(self, num_running: int, num_waiting: int, free_slots: int) -> None:
         """After every step, also one that ran nothing (the last streams were cancelled)."""
