@@ -192,3 +192,18 @@ def test_table_gives_each_mode_against_k0_of_its_stage_and_the_noise_floor():
     assert lines[7].startswith("| 64 | adaptive | - | - | - | - |")
     assert lines[7].endswith("| 0 | 3 (p99 4 ms) |")
     assert noise_floor(rows) == {1: pytest.approx(0.95), 64: pytest.approx(150 / 160)}
+
+
+def test_stream_pool_lengthens_grpc_wait_slices():
+    """Locust's users wait on their streams without waking every 0.1 s (grpc_streams.py):
+    the pool sets gRPC's wait slice, and a gRPC without that constant fails loudly here."""
+    import grpc._common
+    from grpc_streams import WAIT_SLICE_S, StreamPool
+
+    original = grpc._common.MAXIMUM_WAIT_TIMEOUT
+    try:
+        pool = StreamPool("127.0.0.1:1", num_channels=1)
+        pool.close()
+        assert grpc._common.MAXIMUM_WAIT_TIMEOUT == WAIT_SLICE_S > original
+    finally:
+        grpc._common.MAXIMUM_WAIT_TIMEOUT = original
