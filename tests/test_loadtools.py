@@ -235,3 +235,77 @@ def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
     with (tmp_path / "bench-ci.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 4
     assert (tmp_path / "bench-ci.png").stat().st_size > 0
+
+
+def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path):
+    """The same prompt through k = 0 and prompt lookup: k = 0 drafts nothing and its
+    iterations emit one token each; every mode's loop parts add up to time spent."""
+    out = tmp_path / "profile.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "loadtest" / "profile_modes.py"),
+            "--url",
+            server.url,
+            "--metrics-url",
+            server.metrics_url,
+            "--modes",
+            "k0,ngram",
+            "--rounds",
+            "1",
+            "--num-prompts",
+            "1",
+            "--max-tokens",
+            "24",
+            "--out",
+            str(out),
+        ],
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        check=True,
+    )
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"k0", "ngram"}
+    k0, ngram = rows["k0"], rows["ngram"]
+    assert k0["output_tokens"] == ngram["output_tokens"] > 0  # greedy, float32: the same text
+    assert k0["ngram_draft_tokens"] == k0["draft_model_draft_tokens"] == 0
+    assert k0["tokens_per_iteration"] == pytest.approx(1.0, abs=0.1)
+    assert ngram["draft_model_draft_tokens"] == 0
+    assert ngram["ngram_accepted"] <= ngram["ngram_draft_tokens"]
+    for row in rows.values():
+        assert row["target_ms_per_iteration"] > 0 and row["respond_ms_per_iteration"] > 0
+
+
+def test_engine_speed_times_each_shape_in_each_precision(tmp_path: Path):
+    out = tmp_path / "engine.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "loadtest" / "engine_speed.py"),
+            "--checkpoint",
+            str(PROJECT_ROOT / "models" / "smollm2-135m-draft"),
+            "--shapes",
+            "1x1,2x3",
+            "--cached",
+            "16",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        check=True,
+    )
+    report = json.loads(out.read_text())
+    assert set(report["dtypes"]) == {"bfloat16", "float32"}
+    for results in report["dtypes"].values():
+        assert [(r["rows"], r["tokens"]) for r in results] == [(1, 1), (2, 3)]
+        assert all(r["median_ms"] > 0 for r in results)
+    refused = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "loadtest" / "engine_speed.py"), "--shapes", "4"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "--shapes" in refused.stderr

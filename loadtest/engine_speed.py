@@ -1,0 +1,106 @@
+"""The torch engine's forward in this process, by precision, rows and tokens per row.
+
+    .venv/bin/python loadtest/engine_speed.py [--checkpoint models/smollm2-135m-instruct]
+        [--dtypes bfloat16,float32] [--shapes 1x1,1x8,16x1,32x1] [--cached 200]
+
+What a verify costs against a plain step, and what bfloat16 buys over float32, on this
+host, without a server: every slot is filled with `--cached` positions, then each shape
+(ROWSxTOKENS: that many rows each appending that many tokens and asking for their logits)
+runs `--repeats` times; the median is reported. Hosts differ: on the one of 2026-12-02 a
+single row's step was slower in bfloat16 than in float32, 32 rows 1.6x faster
+(docs/benchmarks.md). Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.engines.select import create_engine
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        rows, _, tokens = item.partition("x")
+        if not (rows.isdigit() and tokens.isdigit()) or int(rows) < 1 or int(tokens) < 1:
+            raise ValueError(f"--shapes: {item!r} is not ROWSxTOKENS (e.g. 16x1)")
+        shapes.append((int(rows), int(tokens)))
+    return shapes
+
+
+def time_shapes(engine, shapes: list[tuple[int, int]], cached: int, repeats: int) -> list[dict]:
+    vocab = engine.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    rows_needed = max(rows for rows, _ in shapes)
+    for slot in range(rows_needed):
+        ids = torch.randint(0, vocab, (cached,), generator=generator)
+        engine.forward(ids, [cached], [slot], [0], [1])
+    results = []
+    for rows, tokens in shapes:
+        seconds = []
+        for _ in range(repeats):
+            ids = torch.randint(0, vocab, (rows * tokens,), generator=generator)
+            start = time.perf_counter()
+            engine.forward(
+                ids, [tokens] * rows, list(range(rows)), [cached] * rows, [tokens] * rows
+            )
+            seconds.append(time.perf_counter() - start)
+        results.append(
+            {"rows": rows, "tokens": tokens, "median_ms": 1000 * statistics.median(seconds)}
+        )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--checkpoint", default=str(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    )
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--shapes", default="1x1,1x8,16x1,32x1")
+    parser.add_argument("--cached", type=int, default=200, help="positions in each slot")
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "results" / "engine_speed.json")
+    args = parser.parse_args()
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as error:
+        parser.error(str(error))
+    torch.set_num_threads(args.threads)
+    max_tokens = max(tokens for _, tokens in shapes)
+    num_slots = max(rows for rows, _ in shapes)
+    report = {
+        "checkpoint": args.checkpoint,
+        "cached": args.cached,
+        "threads": args.threads,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "dtypes": {},
+    }
+    for dtype in args.dtypes.split(","):
+        engine = create_engine(
+            "torch", args.checkpoint, num_slots, args.cached + max_tokens, dtype=dtype
+        )
+        results = time_shapes(engine, shapes, args.cached, args.repeats)
+        report["dtypes"][dtype] = results
+        for r in results:
+            print(
+                f"{dtype:<9} {r['rows']:>3} rows x {r['tokens']} tokens: {r['median_ms']:.1f} ms",
+                flush=True,
+            )
+        del engine
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
