@@ -90,6 +90,14 @@ class LevelResult:
     ttft_p99_s: float
     inter_chunk_p50_s: float
     inter_chunk_p99_s: float
+    # From the server's counters over the counted windows (0 without a metrics endpoint):
+    # tokens per loop iteration and where an iteration's time went.
+    tokens_per_iteration: float = 0.0
+    cancel_check_ms_per_iteration: float = 0.0
+    draft_ms_per_iteration: float = 0.0
+    target_ms_per_iteration: float = 0.0
+    schedule_ms_per_iteration: float = 0.0
+    respond_ms_per_iteration: float = 0.0
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -101,10 +109,21 @@ def load_prompts(path: Path) -> list[str]:
     return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
 
 
-def emitted_tokens(metrics_url: str | None) -> float:
+LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")  # serving/metrics.py
+
+
+def server_counters(metrics_url: str | None) -> dict[str, float]:
+    """The server's emitted tokens, iterations and loop seconds by part; {} without metrics."""
     if metrics_url is None:
-        return 0.0
-    return scrape_metrics(metrics_url).get("specdec_emitted_tokens_total", 0.0)
+        return {}
+    values = scrape_metrics(metrics_url)
+    counters = {
+        "tokens": values.get("specdec_emitted_tokens_total", 0.0),
+        "iterations": values.get("specdec_iterations_total", 0.0),
+    }
+    for part in LOOP_PARTS:
+        counters[part] = values.get(f'specdec_loop_seconds_total{{part="{part}"}}', 0.0)
+    return counters
 
 
 @dataclass
@@ -124,6 +143,7 @@ class Window:
     start: float
     end: float
     tokens: float | None  # None: no metrics endpoint to count them
+    counters: dict[str, float] = field(default_factory=dict)  # server_counters' deltas
 
 
 class StaggeredLoad:
@@ -220,15 +240,16 @@ class StaggeredLoad:
             self.mode = mode
             self.changed.notify_all()
         self._wait(lambda: all(self.first_token))
-        start, counted_before = time.perf_counter(), emitted_tokens(self.metrics_url)
+        start, before = time.perf_counter(), server_counters(self.metrics_url)
         time.sleep(seconds)
-        counted = emitted_tokens(self.metrics_url) - counted_before
+        after = server_counters(self.metrics_url)
         end = time.perf_counter()
         with self.changed:
             self.mode = None
         self._wait(lambda: not any(self.busy))
-        tokens = counted if self.metrics_url is not None else None
-        window = Window(len(self.windows), mode, start, end, tokens)
+        counted = {name: after[name] - before[name] for name in after}
+        tokens = counted["tokens"] if counted else None
+        window = Window(len(self.windows), mode, start, end, tokens, counted)
         self.windows.append(window)
         return window
 
@@ -264,6 +285,15 @@ def summarize(
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r.chunk_times)]
     latencies = [r.elapsed for r in ok]
     ttfts = [r.time_to_first_token for r in ok if r.time_to_first_token is not None]
+    totals = {
+        name: sum(w.counters.get(name, 0.0) for w in windows)
+        for name in ("tokens", "iterations", *LOOP_PARTS)
+    }
+    iterations = totals["iterations"]
+    per_iteration = {
+        f"{part}_ms_per_iteration": 1000 * totals[part] / iterations if iterations else 0.0
+        for part in LOOP_PARTS
+    }
     return LevelResult(
         workload=workload,
         mode=mode,
@@ -284,6 +314,8 @@ def summarize(
         ttft_p99_s=percentile(ttfts, 99),
         inter_chunk_p50_s=percentile(gaps, 50),
         inter_chunk_p99_s=percentile(gaps, 99),
+        tokens_per_iteration=totals["tokens"] / iterations if iterations else 0.0,
+        **per_iteration,
     )
 
 
@@ -389,7 +421,11 @@ def run_level(
             f"p99 latency {_seconds(level.latency_p99_s)}  "
             f"acceptance {level.acceptance_rate:.2f}  "
             f"drafted/token {level.draft_tokens_per_output_token:.2f}  "
-            f"errors {level.num_errors}",
+            f"errors {level.num_errors}  "
+            f"ms/iteration: target {level.target_ms_per_iteration:.1f} "
+            f"draft {level.draft_ms_per_iteration:.1f} "
+            f"respond {level.respond_ms_per_iteration:.1f}  "
+            f"tokens/iteration {level.tokens_per_iteration:.1f}",
             flush=True,
         )
     return results

@@ -20,11 +20,10 @@ import json
 import time
 from pathlib import Path
 
-from bench import MODES, WORKLOADS, load_prompts
+from bench import LOOP_PARTS, MODES, WORKLOADS, load_prompts
 from specdec.client import generate, scrape_metrics
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")  # serving/metrics.py
 PROPOSER_NAMES = ("draft_model", "ngram")
 
 

@@ -230,8 +230,12 @@ def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
         assert len(level["window_tokens_per_s"]) == 2
         assert all(x > 0 for x in level["window_tokens_per_s"])
         assert level["tokens_per_s"] > 0 and level["latency_p99_s"] > 0
+        # where the server's loop spent the counted windows, from its counters
+        assert level["tokens_per_iteration"] >= 1.0
+        assert level["target_ms_per_iteration"] > 0 and level["respond_ms_per_iteration"] > 0
     k0 = [r for r in levels if r["mode"] == "k0"]
     assert all(r["draft_tokens_per_output_token"] == 0 for r in k0)
+    assert all(r["tokens_per_iteration"] == pytest.approx(r["concurrency"], rel=0.5) for r in k0)
     with (tmp_path / "bench-ci.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 4
     assert (tmp_path / "bench-ci.png").stat().st_size > 0
