@@ -114,9 +114,11 @@ LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")  # servi
 
 def server_counters(metrics_url: str | None) -> dict[str, float]:
     """The server's emitted tokens, iterations and loop seconds by part; {} without metrics."""
-    if metrics_url is None:
-        return {}
-    values = scrape_metrics(metrics_url)
+    return {} if metrics_url is None else loop_counters(scrape_metrics(metrics_url))
+
+
+def loop_counters(values: dict[str, float]) -> dict[str, float]:
+    """Emitted tokens, iterations and loop seconds by part, from a scrape_metrics result."""
     counters = {
         "tokens": values.get("specdec_emitted_tokens_total", 0.0),
         "iterations": values.get("specdec_iterations_total", 0.0),
@@ -124,6 +126,16 @@ def server_counters(metrics_url: str | None) -> dict[str, float]:
     for part in LOOP_PARTS:
         counters[part] = values.get(f'specdec_loop_seconds_total{{part="{part}"}}', 0.0)
     return counters
+
+
+def per_iteration(counted: dict[str, float]) -> dict[str, float]:
+    """Tokens per iteration and ms per iteration by loop part, from loop_counters' deltas."""
+    iterations = counted["iterations"]
+    report = {"tokens_per_iteration": counted["tokens"] / iterations if iterations else 0.0}
+    for part in LOOP_PARTS:
+        ms = 1000 * counted[part] / iterations if iterations else 0.0
+        report[f"{part}_ms_per_iteration"] = ms
+    return report
 
 
 @dataclass
@@ -289,11 +301,6 @@ def summarize(
         name: sum(w.counters.get(name, 0.0) for w in windows)
         for name in ("tokens", "iterations", *LOOP_PARTS)
     }
-    iterations = totals["iterations"]
-    per_iteration = {
-        f"{part}_ms_per_iteration": 1000 * totals[part] / iterations if iterations else 0.0
-        for part in LOOP_PARTS
-    }
     return LevelResult(
         workload=workload,
         mode=mode,
@@ -314,8 +321,7 @@ def summarize(
         ttft_p99_s=percentile(ttfts, 99),
         inter_chunk_p50_s=percentile(gaps, 50),
         inter_chunk_p99_s=percentile(gaps, 99),
-        tokens_per_iteration=totals["tokens"] / iterations if iterations else 0.0,
-        **per_iteration,
+        **per_iteration(totals),
     )
 
 

@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from bench import LOOP_PARTS, MODES, WORKLOADS, load_prompts
+from bench import LOOP_PARTS, MODES, WORKLOADS, load_prompts, loop_counters, per_iteration
 from specdec.client import generate, scrape_metrics
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -28,25 +28,20 @@ PROPOSER_NAMES = ("draft_model", "ngram")
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What the server did between two scrapes, in the terms this report uses."""
+    """What the server did between two scrapes: bench's loop figures, and each proposer's
+    draft and accepted tokens."""
 
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    iterations = delta("specdec_iterations_total")
-    emitted = delta("specdec_emitted_tokens_total")
-    report = {
-        "iterations": iterations,
-        "emitted_tokens": emitted,
-        "tokens_per_iteration": emitted / iterations if iterations else 0.0,
-    }
+    old, new = loop_counters(before), loop_counters(after)
+    counted = {name: new[name] - old[name] for name in new}
+    report = {"iterations": counted["iterations"], "emitted_tokens": counted["tokens"]}
+    report.update(per_iteration(counted))
     for name in PROPOSER_NAMES:
         label = f'{{proposer="{name}"}}'
         report[f"{name}_draft_tokens"] = delta(f"specdec_proposer_draft_tokens_total{label}")
         report[f"{name}_accepted"] = delta(f"specdec_proposer_accepted_draft_tokens_total{label}")
-    for part in LOOP_PARTS:
-        seconds = delta(f'specdec_loop_seconds_total{{part="{part}"}}')
-        report[f"{part}_ms_per_iteration"] = 1000 * seconds / iterations if iterations else 0.0
     return report
 
 
