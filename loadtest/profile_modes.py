@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from bench import LOOP_PARTS, MODES, WORKLOADS, load_prompts, loop_counters, per_iteration
+from bench import MODES, TIMED_PARTS, WORKLOADS, load_prompts, loop_counters, per_iteration
 from specdec.client import generate, scrape_metrics
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def profile(
 
 
 def format_row(row: dict) -> str:
-    parts = " ".join(f"{p} {row[f'{p}_ms_per_iteration']:.1f}" for p in LOOP_PARTS)
+    parts = " ".join(f"{p} {row[f'{p}_ms_per_iteration']:.1f}" for p in TIMED_PARTS)
     proposers = " ".join(
         f"{n} {row[f'{n}_accepted']:.0f}/{row[f'{n}_draft_tokens']:.0f}" for n in PROPOSER_NAMES
     )

@@ -9,12 +9,11 @@ import pytest
 from conftest import hf_greedy_text
 from live import scrape, start_bystander, start_victim, wait_for
 from specdec.client import generate
+from specdec.serving.metric_names import LOOP_PARTS
 
 pytestmark = pytest.mark.server
 
 NUM_SLOTS = 32  # the `server` fixture's
-# specdec/serving/metrics.py
-LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
 
 
 def test_metrics_count_what_the_loop_did(server):

@@ -1,7 +1,9 @@
 """Glue of speculative_decoding: the decoupled BLS model that runs the batching loop.
 
 execute() only validates and enqueues; one loop thread owns the scheduler, calls the engine
-models (non-decoupled, one call each per iteration) and sends every response. A request
+models (non-decoupled, one call each per iteration) and builds every response; the outbox's
+thread sends them and applies the metric updates, in order, while the loop runs the next
+step (specdec/serving/outbox.py). A request
 of several prompts, or of num_return_sequences > 1, runs one sequence per prompt and
 sequence; their responses share the request's sender (tagged with batch_index and
 sequence_index, specdec/serving/responses.py). Each request ends with exactly one FINAL response on
@@ -10,6 +12,7 @@ every path: success, bad input, engine error, cancellation, shutdown.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import threading
@@ -29,6 +32,7 @@ from specdec.loop.scheduler import (
 )
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
+from specdec.serving.outbox import Outbox, Work
 from specdec.serving.responses import response_arrays
 from specdec.text.request import PROPOSERS, InvalidInput, parse_requests
 from specdec.text.tokenizer import load_tokenizer
@@ -130,6 +134,9 @@ class TritonPythonModel:
         self.lock = threading.Condition()
         self.stopping = False
         self.next_waiting_check = 0.0  # monotonic s; see _mark_cancelled
+        # What the loop has to send since its last hand-over to the outbox (loop thread).
+        self.work: list[Work] = []
+        self.outbox = Outbox(on_error=self._log_outbox_error, name="speculative-outbox")
         self.loop_thread = threading.Thread(target=self._loop, name="speculative-loop", daemon=True)
         self.loop_thread.start()
 
@@ -157,22 +164,34 @@ class TritonPythonModel:
                         self.clients[sequence.id] = client
                     self.lock.notify()
             except InvalidInput as error:
-                self.metrics.finished("invalid")
-                self._send_error(sender, str(error), pb_utils.TritonError.INVALID_ARG)
+                self._refuse(sender, "invalid", str(error), pb_utils.TritonError.INVALID_ARG)
             except QueueFull as error:
-                self.metrics.finished("rejected")
-                self._send_error(sender, str(error), pb_utils.TritonError.UNAVAILABLE)
+                self._refuse(sender, "rejected", str(error), pb_utils.TritonError.UNAVAILABLE)
             except Exception as error:
-                self.metrics.finished("error")
-                self._send_error(sender, f"speculative_decoding: {error}")
+                self._refuse(sender, "error", f"speculative_decoding: {error}")
         return None
 
+    def _refuse(self, sender, outcome: str, message: str, code=None) -> None:
+        """Ends a request that never reached the loop; through the outbox, counted first."""
+        self.metrics.finished(outcome)
+        self.outbox.submit([self.metrics.flush, self._error_sender(sender, message, code)])
+
     @staticmethod
-    def _send_error(sender, message: str, code=None) -> None:
+    def _error_sender(sender, message: str, code=None) -> Work:
         code = pb_utils.TritonError.INTERNAL if code is None else code
-        sender.send(
-            pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=FINAL
-        )
+        response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+        return functools.partial(sender.send, response, flags=FINAL)
+
+    @staticmethod
+    def _log_outbox_error(error: BaseException) -> None:
+        pb_utils.Logger.log_warn(f"speculative_decoding: sending a response failed: {error}")
+
+    def _hand_over(self) -> None:
+        """Gives the outbox the loop's metric updates and responses so far (loop thread,
+        without self.lock: the outbox may make it wait for a free place)."""
+        self.metrics.record_outbox_seconds(self.outbox.busy_seconds)
+        work, self.work = self.work, []
+        self.outbox.submit([self.metrics.flush, *work])
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -185,6 +204,8 @@ class TritonPythonModel:
                     return
                 started = clock()
                 self._mark_cancelled()
+            if self.work:  # cancelled streams hear so now, not after the step
+                self._hand_over()
             checked = clock()
             try:
                 updates = self.scheduler.step()
@@ -194,6 +215,7 @@ class TritonPythonModel:
                         self._end(sequence, f"speculative_decoding: {error}")
                         self.metrics.finished("error")
                     self.metrics.update_occupancy(0, 0, len(self.scheduler.free_slots))
+                self._hand_over()
                 continue
             stepped = clock()
             with self.lock:
@@ -211,12 +233,15 @@ class TritonPythonModel:
                 )
                 for update in updates:
                     self._respond(update)
-                self.metrics.record_loop_seconds(
-                    cancel_check=checked - started,
-                    step=stepped - checked,
-                    respond=clock() - stepped,
-                    iteration=self.scheduler.last_iteration,
-                )
+            self._hand_over()
+            self.metrics.record_loop_seconds(
+                cancel_check=checked - started,
+                step=stepped - checked,
+                respond=clock() - stepped,
+                iteration=self.scheduler.last_iteration,
+            )
+            if not self.scheduler.has_work:  # before the loop sleeps: counters up to date
+                self._hand_over()
 
     def _mark_cancelled(self) -> None:
         """Drops cancelled streams, every sequence of the request. is_cancelled() crosses a
@@ -253,7 +278,7 @@ class TritonPythonModel:
         client.ended = True
         for member in client.sequences:
             self.clients.pop(member.id, None)
-        self._send_error(client.sender, message, code)
+        self.work.append(self._error_sender(client.sender, message, code))
 
     def _respond(self, update: Update) -> None:
         sequence = update.sequence
@@ -274,7 +299,8 @@ class TritonPythonModel:
                 client.ended = True
                 flags = FINAL
         tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-        client.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+        response = pb_utils.InferenceResponse(output_tensors=tensors)
+        self.work.append(functools.partial(client.sender.send, response, flags=flags))
 
     def finalize(self) -> None:
         with self.lock:
@@ -285,3 +311,5 @@ class TritonPythonModel:
             for sequence in self.scheduler.fail_all("shutdown"):
                 self._end(sequence, "server is shutting down", pb_utils.TritonError.UNAVAILABLE)
                 self.metrics.finished("shutdown")
+        self._hand_over()
+        self.outbox.close(timeout=60)

@@ -1,22 +1,24 @@
-"""Prometheus metrics of the speculative loop, on Triton's metrics port (/metrics)."""
+"""Prometheus metrics of the speculative loop, on Triton's metrics port (/metrics).
+
+Each update to a Triton metric is a round trip to the server process, so the recording
+methods only gather updates (PendingMetrics); flush() applies them, called first in each
+batch of the loop's outbox (serving/outbox.py), before that iteration's responses leave.
+"""
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
 from specdec.loop.scheduler import IterationStats
+from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS, OUTCOMES
+from specdec.serving.outbox import PendingMetrics
 from specdec.text.request import PROPOSERS
-
-# Where the loop's time goes, per iteration: asking Triton which streams were cancelled,
-# the draft model's call, the target's call, the rest of the scheduler's step (admission,
-# proposers, the controller, acceptance), building and sending the responses.
-LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
-OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
 
 
 class LoopMetrics:
     def __init__(self, model: str, max_k: int, num_slots: int) -> None:
         labels = {"model": model}
+        self.pending = PendingMetrics()
         self.families = []  # a family must outlive its metrics
 
         def family(name, description, kind):
@@ -72,6 +74,13 @@ class LoopMetrics:
             "specdec_free_kv_slots", "KV cache slots free in each engine", gauge
         ).Metric(labels=labels)
         self.free_slots.set(num_slots)
+        self.outbox_seconds = family(
+            OUTBOX_SECONDS,
+            "Seconds the outbox thread spent sending responses and applying metric updates "
+            "(beside the loop, not part of it)",
+            counter,
+        ).Metric(labels=labels)
+        self.outbox_seconds_flushed = 0.0
         loop_seconds = family(
             "specdec_loop_seconds_total",
             "Seconds the loop spent, by part (" + ", ".join(LOOP_PARTS) + ")",
@@ -87,17 +96,18 @@ class LoopMetrics:
         ).Metric(labels=labels, buckets=[float(b) for b in range(1, max_k + 2)])
 
     def record_iteration(self, stats: IterationStats) -> None:
-        self.iterations.increment(1)
-        self.draft_tokens.increment(stats.num_draft_tokens)
-        self.accepted_tokens.increment(stats.num_accepted_draft_tokens)
-        self.target_passes.increment(len(stats.emitted_per_row))
-        self.emitted_tokens.increment(sum(stats.emitted_per_row))
+        pending = self.pending
+        pending.increment(self.iterations, 1)
+        pending.increment(self.draft_tokens, stats.num_draft_tokens)
+        pending.increment(self.accepted_tokens, stats.num_accepted_draft_tokens)
+        pending.increment(self.target_passes, len(stats.emitted_per_row))
+        pending.increment(self.emitted_tokens, sum(stats.emitted_per_row))
         for emitted in stats.emitted_per_row:
-            self.tokens_per_pass.observe(emitted)
-        self.current_k.set(stats.chosen_k)
+            pending.observe(self.tokens_per_pass, emitted)
+        pending.set(self.current_k, stats.chosen_k)
         for name, (proposed, accepted) in stats.by_proposer.items():
-            self.proposer_tokens[name][0].increment(proposed)
-            self.proposer_tokens[name][1].increment(accepted)
+            pending.increment(self.proposer_tokens[name][0], proposed)
+            pending.increment(self.proposer_tokens[name][1], accepted)
 
     def record_loop_seconds(
         self, cancel_check: float, step: float, respond: float, iteration: IterationStats | None
@@ -114,13 +124,22 @@ class LoopMetrics:
             "respond": respond,
         }
         for part, value in seconds.items():
-            self.loop_seconds[part].increment(value)
+            self.pending.increment(self.loop_seconds[part], value)
+
+    def record_outbox_seconds(self, total: float) -> None:
+        """The outbox's running total of busy seconds (Outbox.busy_seconds)."""
+        self.pending.increment(self.outbox_seconds, total - self.outbox_seconds_flushed)
+        self.outbox_seconds_flushed = total
 
     def update_occupancy(self, num_running: int, num_waiting: int, free_slots: int) -> None:
         """After every step, also one that ran nothing (the last streams were cancelled)."""
-        self.batch_size.set(num_running)
-        self.queued.set(num_waiting)
-        self.free_slots.set(free_slots)
+        self.pending.set(self.batch_size, num_running)
+        self.pending.set(self.queued, num_waiting)
+        self.pending.set(self.free_slots, free_slots)
 
     def finished(self, outcome: str) -> None:
-        self.requests[outcome].increment(1)
+        self.pending.increment(self.requests[outcome], 1)
+
+    def flush(self) -> None:
+        """Applies the gathered updates (Triton round trips): on the outbox's thread."""
+        self.pending.flush()

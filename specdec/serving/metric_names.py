@@ -1,0 +1,15 @@
+"""The names of speculative_decoding's own Prometheus metrics that readers split by label.
+
+Pure, so that the BLS's metrics (serving/metrics.py), the bench and the tests read one
+definition.
+"""
+
+# Where the loop's time goes, per iteration: asking Triton which streams were cancelled,
+# the draft model's call, the target's call, the rest of the scheduler's step (admission,
+# proposers, the controller, acceptance), and building the responses and handing them to
+# the outbox (serving/outbox.py; it waits only when the outbox is two iterations behind).
+LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
+# Seconds the outbox's thread spent sending responses and applying metric updates.
+OUTBOX_SECONDS = "specdec_outbox_seconds_total"
+# How requests end (specdec_requests_total{outcome=...}).
+OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
