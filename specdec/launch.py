@@ -9,7 +9,9 @@ onnxruntime or tensorrt; specdec/engines/select.py), DEVICE (torch engine: cpu o
 (the engines' precision: float32, bfloat16, float16 or auto; unset: the committed float32),
 DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
 .run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
-DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RUN_DIR (.run). The
+DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RESPONSE_THREAD (false:
+send each iteration's responses on a thread beside the loop; specdec/serving/outbox.py),
+RUN_DIR (.run). The
 repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
 configs stay usable as they are (docker compose mounts them).
 """
@@ -81,6 +83,10 @@ class ServerConfig:
             config.parameters.setdefault("speculative_decoding", {})["proposers"] = env["PROPOSERS"]
         if env.get("MAX_QUEUE"):
             config.parameters.setdefault("speculative_decoding", {})["max_queue"] = env["MAX_QUEUE"]
+        if env.get("RESPONSE_THREAD"):
+            config.parameters.setdefault("speculative_decoding", {})["response_thread"] = env[
+                "RESPONSE_THREAD"
+            ]
         if env.get("DEFAULT_NUM_DRAFT_TOKENS"):
             config.parameters.setdefault("speculative_decoding", {})["default_num_draft_tokens"] = (
                 env["DEFAULT_NUM_DRAFT_TOKENS"]

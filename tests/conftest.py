@@ -31,7 +31,8 @@ def server(target_dir):
 
 @pytest.fixture(scope="session")
 def self_draft_server(target_dir):
-    """Draft = target: every proposal is accepted. 8 slots and a queue of 4: overload."""
+    """Draft = target: every proposal is accepted. 8 slots and a queue of 4: overload.
+    Responses go out on the response thread here (RESPONSE_THREAD), inline on the others."""
     running = ManagedServer(
         "test-self-draft",
         {
@@ -39,6 +40,7 @@ def self_draft_server(target_dir):
             "NUM_SLOTS": "8",
             "MAX_CONTEXT": "512",
             "MAX_QUEUE": "4",
+            "RESPONSE_THREAD": "true",
         },
     )
     yield running

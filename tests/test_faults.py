@@ -65,11 +65,13 @@ def test_killed_engine_process_ends_every_request_and_the_supervisor_exits(targe
         server.stop()
 
 
-def test_sigterm_under_load_ends_every_stream_within_the_exit_timeout(target_dir):
+@pytest.mark.parametrize("response_thread", ["false", "true"])
+def test_sigterm_under_load_ends_every_stream_within_the_exit_timeout(target_dir, response_thread):
     # Through the ensemble too: a stream there used to get no final response at all (a step
     # after the BLS was refused once the server stopped, and Triton 2.51's ensemble then
     # dropped the BLS's final error) and held the server's exit; see the ensemble config.
-    server = ManagedServer("test-fault-sigterm", SMALL)
+    # With the response thread, finalize() must still send what it queued before it returns.
+    server = ManagedServer("test-fault-sigterm", {**SMALL, "RESPONSE_THREAD": response_thread})
     try:
         victims = streams_under_way(server.url, [BLS, BLS, ENSEMBLE, ENSEMBLE])
         server.process.send_signal(signal.SIGTERM)

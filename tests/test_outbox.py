@@ -113,3 +113,14 @@ def test_pending_metrics_take_unhashable_metrics():
     pending.set(metric, 5)
     pending.flush()
     assert metric.calls == [("increment", 1), ("set", 5)]
+
+
+def test_an_outbox_without_a_thread_runs_each_batch_at_once():
+    errors: list[BaseException] = []
+    box = Outbox(on_error=errors.append, threaded=False)
+    caller, ran = threading.get_ident(), []
+    box.submit([lambda: ran.append(threading.get_ident() == caller)])
+    assert ran == [True]
+    box.drain()  # nothing queued: returns
+    box.close()
+    assert errors == []

@@ -79,6 +79,14 @@ def parse_default_k(value: str) -> int | None:
     return None if value.strip().lower() == "adaptive" else int(value)
 
 
+def parse_bool(name: str, value: str) -> bool:
+    """A true/false config parameter."""
+    text = value.strip().lower()
+    if text not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    return text in ("true", "1", "yes")
+
+
 def parse_proposers(value: str) -> tuple[str, ...]:
     """The proposers parameter: comma-separated names from PROPOSERS ("" = no speculation)."""
     names = tuple(name.strip() for name in value.split(",") if name.strip())
@@ -136,7 +144,11 @@ class TritonPythonModel:
         self.next_waiting_check = 0.0  # monotonic s; see _mark_cancelled
         # What the loop has to send since its last hand-over to the outbox (loop thread).
         self.work: list[Work] = []
-        self.outbox = Outbox(on_error=self._log_outbox_error, name="speculative-outbox")
+        self.outbox = Outbox(
+            on_error=self._log_outbox_error,
+            threaded=parse_bool("response_thread", params.get("response_thread", "false")),
+            name="speculative-outbox",
+        )
         self.loop_thread = threading.Thread(target=self._loop, name="speculative-loop", daemon=True)
         self.loop_thread.start()
 

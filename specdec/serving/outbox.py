@@ -1,10 +1,14 @@
-"""Work the loop hands to a thread of its own: sending responses and updating metrics.
+"""What the loop sends each iteration: its responses and its metric updates, in order.
 
 In Triton's Python backend every response sent and every metric updated is a round trip
-to the server process (the stub waits for the server's answer). At 32 rows that was
-about 23 ms of each 100 ms iteration, during which the loop, and so both engines, stood
-still. The loop now builds each iteration's work and hands it to an Outbox, whose thread
-does the round trips while the loop runs the next step.
+to the server process (the stub waits for the server's answer): at 32 rows about 25 ms of
+a 130-160 ms iteration, while the engines wait. The loop builds each iteration's work and
+hands it to an Outbox, which runs it either at once (the default) or on a thread of its
+own while the loop runs the next step (the BLS parameter `response_thread`). On the 2-core
+CPU default the thread cost more than it saved: the server's work on the responses then
+competes with the engine's threads (at 32 streams, bfloat16: the target call 150-160 ms
+instead of 127-133, 178-190 tok/s instead of 197-208; docs/benchmarks.md). It is for hosts
+whose engines run on a GPU, or that have cores to spare.
 
 Order is kept: batches run in the order they were submitted, and the callables of a batch
 in their order, so a request's responses arrive in order, its FINAL response last, and a
@@ -27,28 +31,32 @@ Work = Callable[[], None]
 
 
 class Outbox:
-    """Runs batches of callables on one thread, in submission order."""
+    """Runs batches of callables in submission order: on a thread of its own (`threaded`),
+    or at once on the caller's thread."""
 
     def __init__(
         self,
         on_error: Callable[[BaseException], None],
+        threaded: bool = True,
         max_pending: int = 2,
         name: str = "outbox",
     ) -> None:
         self.on_error = on_error
         self.busy_seconds = 0.0  # time spent running work, read by the metrics
         self._queue: queue.Queue[list[Work] | None] = queue.Queue(maxsize=max_pending)
-        self._closed = False
+        self._inline = not threaded  # close() turns a threaded outbox inline
         self._state = threading.Lock()  # no batch may be queued behind close()'s sentinel
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
 
     def submit(self, batch: list[Work]) -> None:
-        """Queues `batch`; once closed, runs it on the caller's thread instead."""
+        """Queues `batch` (waits while `max_pending` are queued); inline: runs it now."""
         if not batch:
             return
         with self._state:
-            if not self._closed:
+            if not self._inline:
                 self._queue.put(batch)  # may wait for the thread; it never takes _state
                 return
         self._run_batch(batch)
@@ -60,9 +68,9 @@ class Outbox:
     def close(self, timeout: float | None = None) -> None:
         """Runs what is queued, then stops the thread; later batches run inline."""
         with self._state:
-            if self._closed:
+            if self._inline:
                 return
-            self._closed = True
+            self._inline = True
             self._queue.put(None)
         self._thread.join(timeout)
 
