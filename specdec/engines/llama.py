@@ -154,18 +154,22 @@ RESCORED_LOGITS = 16
 
 @dataclass
 class BatchedAttention:
-    first: int  # lowest slot of the call
-    span: int  # slots from first to the highest slot of the call
-    width: int  # query positions per slot (the longest short row)
+    """Rows that add the same number of tokens, attending in one call."""
+
+    # The cache slots the call reads: a range (read through a view; slots in it that are not
+    # the call's are masked), or the rows' own slots, gathered (M / width of them).
+    slots: slice | torch.Tensor
+    span: int  # slots read
+    width: int  # query positions per slot: every row's new tokens
     keys: int  # key positions read (the longest row's total length)
-    sources: torch.Tensor  # (M,) packed token index of each short-row query
-    dests: torch.Tensor  # (M,) its index in the (span * width) padded layout
+    sources: torch.Tensor  # (M,) packed token index of each query
+    dests: torch.Tensor  # (M,) its index in the (span * width) layout
     mask: torch.Tensor  # (span, 1, group * width, keys) bool, True = may attend
 
 
 @dataclass
 class AttentionPlan:
-    batched: BatchedAttention | None
+    batched: list[BatchedAttention]  # one call per width
     looped_rows: list[int]
 
 
@@ -286,42 +290,58 @@ class LlamaEngine:
         attn[start:end] = out[0].transpose(0, 1)
 
     def _plan_attention(self, input_lengths, slot_ids, cache_lengths, starts) -> AttentionPlan:
-        """Short rows share one attention call per layer; long rows (prefill) go one by one.
+        """Short rows that add the same number of tokens share one attention call per layer;
+        long rows (prefill), and a short row alone at its width, go one by one.
 
-        The batched call reads the cache through a view of the slot range it spans (no copy);
-        slots in that range that are not in the call are masked and ignored.
+        One call per width, not one padded to the widest row: a call's work grows with its
+        width for every row in it, so one row verifying 4 draft tokens in a call of 64
+        decoding rows made the whole call attend for 5 positions per row.
         """
-        short = [r for r, n in enumerate(input_lengths) if n <= MAX_BATCHED_QUERY]
         looped = [r for r, n in enumerate(input_lengths) if n > MAX_BATCHED_QUERY]
-        if len(short) < 2:
-            return AttentionPlan(None, looped + short)
+        by_width: dict[int, list[int]] = {}
+        for r, n in enumerate(input_lengths):
+            if n <= MAX_BATCHED_QUERY:
+                by_width.setdefault(n, []).append(r)
+        batched = []
+        for width, rows in sorted(by_width.items()):
+            if len(rows) < 2:
+                looped += rows
+            else:
+                batched.append(self._batch_rows(rows, width, slot_ids, cache_lengths, starts))
+        return AttentionPlan(batched, looped)
+
+    def _batch_rows(self, rows, width, slot_ids, cache_lengths, starts) -> BatchedAttention:
+        """One call for `rows`, each adding `width` tokens. Rows whose slots fill at least
+        half of the range they span read it through a view (no copy; the other slots are
+        masked); sparser rows read a gathered copy of their own slots' keys and values."""
         c = self.config
         group = c.num_heads // c.num_kv_heads
-        first = min(slot_ids[r] for r in short)
-        span = max(slot_ids[r] for r in short) - first + 1
-        width = max(input_lengths[r] for r in short)  # query positions per slot
-        keys = max(cache_lengths[r] + input_lengths[r] for r in short)
+        first, last = min(slot_ids[r] for r in rows), max(slot_ids[r] for r in rows)
+        if last - first + 1 <= 2 * len(rows):
+            slots, span = slice(first, last + 1), last - first + 1
+            place = {r: slot_ids[r] - first for r in rows}
+        else:
+            slots = torch.tensor([slot_ids[r] for r in rows], device=self.device)
+            span, place = len(rows), {r: i for i, r in enumerate(rows)}
+        keys = max(cache_lengths[r] + width for r in rows)
         sources, dests = [], []
         allowed = torch.zeros(span, width, keys, dtype=torch.bool)
-        allowed[:, :, 0] = True  # rows of padding attend somewhere finite; never read
-        for r in short:
-            slot, length, cached = slot_ids[r] - first, input_lengths[r], cache_lengths[r]
-            sources.extend(range(starts[r], starts[r] + length))
-            dests.extend(slot * width + t for t in range(length))
-            limits = torch.arange(cached, cached + length)  # each query sees keys <= its pos
-            allowed[slot, :length] = torch.arange(keys)[None, :] <= limits[:, None]
+        allowed[:, :, 0] = True  # slots not in the call attend somewhere finite; never read
+        for r in rows:
+            slot, cached = place[r], cache_lengths[r]
+            sources.extend(range(starts[r], starts[r] + width))
+            dests.extend(slot * width + t for t in range(width))
+            limits = torch.arange(cached, cached + width)  # each query sees keys <= its pos
+            allowed[slot] = torch.arange(keys)[None, :] <= limits[:, None]
         mask = allowed[:, None, None].expand(span, 1, group, width, keys)
-        return AttentionPlan(
-            BatchedAttention(
-                first=first,
-                span=span,
-                width=width,
-                keys=keys,
-                sources=torch.tensor(sources, device=self.device),
-                dests=torch.tensor(dests, device=self.device),
-                mask=mask.reshape(span, 1, group * width, keys).to(self.device),
-            ),
-            looped,
+        return BatchedAttention(
+            slots=slots,
+            span=span,
+            width=width,
+            keys=keys,
+            sources=torch.tensor(sources, device=self.device),
+            dests=torch.tensor(dests, device=self.device),
+            mask=mask.reshape(span, 1, group * width, keys).to(self.device),
         )
 
     def _batched_attention(self, li, q, attn, b: BatchedAttention) -> None:
@@ -334,13 +354,13 @@ class LlamaEngine:
         queries = queries.permute(0, 2, 3, 1, 4).reshape(
             b.span, c.num_kv_heads, group * b.width, c.head_dim
         )
-        window = slice(b.first, b.first + b.span)
-        out = F.scaled_dot_product_attention(
-            queries,
-            self.k_cache[li, window, :, : b.keys],  # (span, kvh, L, hd), a view
-            self.v_cache[li, window, :, : b.keys],
-            attn_mask=b.mask,
-        )
+        if isinstance(b.slots, slice):  # (span, kvh, L, hd): a view
+            keys = self.k_cache[li, b.slots, :, : b.keys]
+            values = self.v_cache[li, b.slots, :, : b.keys]
+        else:  # the rows' own slots, copied
+            keys = self.k_cache[li, :, :, : b.keys].index_select(0, b.slots)
+            values = self.v_cache[li, :, :, : b.keys].index_select(0, b.slots)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask)
         out = out.view(b.span, c.num_kv_heads, group, b.width, c.head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(b.span * b.width, c.num_heads, c.head_dim)
         attn[b.sources] = out[b.dests]
@@ -410,8 +430,8 @@ class LlamaEngine:
             self.k_cache[li][token_slots, :, positions] = k  # (N, kvh, hd)
             self.v_cache[li][token_slots, :, positions] = v
             attn = torch.empty_like(q)  # (N, nh, hd)
-            if plan.batched is not None:
-                self._batched_attention(li, q, attn, plan.batched)
+            for batch in plan.batched:
+                self._batched_attention(li, q, attn, batch)
             for row in plan.looped_rows:
                 self._row_attention(
                     li, q, attn, slot_ids[row], cache_lengths[row], starts[row], starts[row + 1]
