@@ -184,9 +184,12 @@ class StaggeredLoad:
         prompts: list[str],
         config: BenchConfig,
         metrics_url: str | None = None,
+        modes: dict[str, dict] = MODES,
     ):
+        """modes: the request parameters of each mode name its windows may run."""
         self.url, self.concurrency, self.prompts, self.config = url, concurrency, prompts, config
         self.metrics_url = metrics_url
+        self.modes = modes
         self.requests: list[Request] = []  # lead-ins left out
         self.windows: list[Window] = []
         self.mode: str | None = None  # None: between windows, no request leaves
@@ -236,7 +239,7 @@ class StaggeredLoad:
                     self.prompts[prompt],
                     max_tokens=max_tokens,
                     stream=True,
-                    **MODES[mode],
+                    **self.modes[mode],
                     return_perf_metrics=True,
                     return_num_output_tokens=True,
                     exclude_input_in_output=True,

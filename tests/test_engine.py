@@ -42,6 +42,45 @@ def test_packed_batch_logits_match_hf(engine, hf_target):
         assert torch.allclose(logits[3 * row : 3 * row + 3], reference, atol=1e-3)
 
 
+def test_rows_of_mixed_widths_in_scattered_slots_match_hf(target_dir, hf_target):
+    # Each width attends in a call of its own: decoding rows in adjacent slots read the
+    # slot range (A, B), rows far apart read a gathered copy of their slots (C, D), and a
+    # row alone at its width attends by itself (E). Every path must give HF's logits.
+    tokenizer, model = hf_target
+    engine = LlamaEngine.from_checkpoint(target_dir, num_slots=8, max_length=128)
+    prompts = {  # slot -> (prompt, new tokens in the call)
+        0: ("The capital of France is", 1),
+        1: ("def add(a, b):", 1),
+        2: ("Once upon a time, in a", 3),
+        7: ("Water boils at a temperature of", 3),
+        4: ("The quick brown fox jumps over", 2),
+    }
+    ids = {slot: tokenizer(text).input_ids for slot, (text, _) in prompts.items()}
+    widths = {slot: width for slot, (_, width) in prompts.items()}
+    slots = list(prompts)
+    heads = [ids[s][: -widths[s]] for s in slots]
+    engine.forward(
+        torch.tensor([t for head in heads for t in head]),
+        [len(head) for head in heads],
+        slots,
+        [0] * len(slots),
+        [1] * len(slots),
+    )
+    logits = engine.forward(
+        torch.tensor([t for s in slots for t in ids[s][-widths[s] :]]),
+        [widths[s] for s in slots],
+        slots,
+        [len(head) for head in heads],
+        [widths[s] for s in slots],
+    )
+    start = 0
+    for s in slots:
+        with torch.inference_mode():
+            reference = model(torch.tensor([ids[s]])).logits[0, -widths[s] :]
+        assert torch.allclose(logits[start : start + widths[s]], reference, atol=1e-3), s
+        start += widths[s]
+
+
 def batch(**overrides) -> EngineBatch:
     fields = dict(
         input_ids=np.array([1, 2, 3, 4, 5], dtype=np.int64),

@@ -1,5 +1,6 @@
 """The load tools against a real server: `make loadtest` in miniature, Locust on the OpenAI
-API, a short perf_analyzer run, a short soak, `make bench` in miniature."""
+API, a short perf_analyzer run, a short soak, `make bench` in miniature, the two-server
+comparison, profile_modes and engine_speed."""
 
 from __future__ import annotations
 
@@ -278,6 +279,46 @@ def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path)
     assert ngram["ngram_accepted"] <= ngram["ngram_draft_tokens"]
     for row in rows.values():
         assert row["target_ms_per_iteration"] > 0 and row["respond_ms_per_iteration"] > 0
+
+
+def test_ab_servers_measures_both_sides_in_mirrored_windows(server, tmp_path: Path):
+    """Both sides pointed at the one test server: each gets its two windows, with figures
+    from the server's counters, and B / A is what the sides' tokens/s say."""
+    urls = ["--url-a", server.url, "--url-b", server.url]
+    metrics = ["--metrics-url-a", server.metrics_url, "--metrics-url-b", server.metrics_url]
+    subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "loadtest" / "ab_servers.py"),
+            *urls,
+            *metrics,
+            "--concurrency",
+            "2",
+            "--rounds",
+            "1",
+            "--level-seconds",
+            "12",
+            "--max-tokens",
+            "16",
+            "--name",
+            "ab-ci",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        timeout=300,
+        cwd=PROJECT_ROOT,
+        check=True,
+    )
+    report = json.loads((tmp_path / "ab-ci.json").read_text())
+    sides = {r["mode"]: r for r in report["levels"]}
+    assert set(sides) == {"a", "b"} and len(report["levels"]) == 2
+    for level in sides.values():
+        assert level["num_errors"] == 0 and level["num_requests"] >= 2
+        assert len(level["window_tokens_per_s"]) == 2
+        assert level["tokens_per_s"] > 0 and level["target_ms_per_iteration"] > 0
+        assert level["draft_tokens_per_output_token"] == 0  # k = 0 on both sides
+    ratio = sides["b"]["tokens_per_s"] / sides["a"]["tokens_per_s"]
+    assert report["b_over_a"] == pytest.approx(ratio)
 
 
 def test_engine_speed_times_each_shape_in_each_precision(tmp_path: Path):

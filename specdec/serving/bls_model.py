@@ -1,13 +1,14 @@
 """Glue of speculative_decoding: the decoupled BLS model that runs the batching loop.
 
 execute() only validates and enqueues; one loop thread owns the scheduler, calls the engine
-models (non-decoupled, one call each per iteration) and builds every response; the outbox's
-thread sends them and applies the metric updates, in order, while the loop runs the next
-step (specdec/serving/outbox.py). A request
-of several prompts, or of num_return_sequences > 1, runs one sequence per prompt and
-sequence; their responses share the request's sender (tagged with batch_index and
-sequence_index, specdec/serving/responses.py). Each request ends with exactly one FINAL response on
-every path: success, bad input, engine error, cancellation, shutdown.
+models (non-decoupled, one call each per iteration) and builds every response; the outbox
+sends them after the iteration's metric updates, in order: at once, or with
+`response_thread` on a thread of its own while the loop runs the next step
+(specdec/serving/outbox.py). A request of several prompts, or of num_return_sequences > 1,
+runs one sequence per prompt and sequence; their responses share the request's sender
+(tagged with batch_index and sequence_index, specdec/serving/responses.py). Each request
+ends with exactly one FINAL response on every path: success, bad input, engine error,
+cancellation, shutdown.
 """
 
 from __future__ import annotations
