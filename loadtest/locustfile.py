@@ -203,7 +203,15 @@ class StreamingUser:
             mode, index = window.mode, window.index
         if index >= 0:
             Tracker.outstanding += 1
-        record = {"window": index, "mode": mode, "users": self.environment.runner.user_count}
+        # users: the window's, as the plan sets them; running_users: those spawned when the
+        # request left (the shape spawns a window's users up to a tick after it starts).
+        running = self.environment.runner.user_count
+        record = {
+            "window": index,
+            "mode": mode,
+            "users": window.users if window is not None else running,
+            "running_users": running,
+        }
         # Until its first response: what a user stopped now leaves (no server times: the
         # accounting ignores it; the BLS drops it, an ensemble would still run it).
         self.current = (record, StreamResult(sent_ns=time.time_ns()))

@@ -246,13 +246,19 @@ class TritonPythonModel:
                 )
                 for update in updates:
                     self._respond(update)
-            self._hand_over()
+            # This iteration's times go out with its responses: recorded after the hand-over,
+            # a long prefill iteration's seconds reached the counters only with the next
+            # iteration's, after its streams' first tokens (the bench then counted them in
+            # the window that followed). The hand-over's own time follows one pass later.
+            built = clock()
             self.metrics.record_loop_seconds(
                 cancel_check=checked - started,
                 step=stepped - checked,
-                respond=clock() - stepped,
+                respond=built - stepped,
                 iteration=self.scheduler.last_iteration,
             )
+            self._hand_over()
+            self.metrics.record_hand_over_seconds(clock() - built)
             if not self.scheduler.has_work:  # before the loop sleeps: counters up to date
                 self._hand_over()
 

@@ -126,6 +126,11 @@ class LoopMetrics:
         for part, value in seconds.items():
             self.pending.increment(self.loop_seconds[part], value)
 
+    def record_hand_over_seconds(self, seconds: float) -> None:
+        """The loop's time handing an iteration to the outbox (inline: sending it), which
+        the respond part includes."""
+        self.pending.increment(self.loop_seconds["respond"], seconds)
+
     def record_outbox_seconds(self, total: float) -> None:
         """The outbox's running total of busy seconds (Outbox.busy_seconds)."""
         self.pending.increment(self.outbox_seconds, total - self.outbox_seconds_flushed)
