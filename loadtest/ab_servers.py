@@ -30,16 +30,10 @@ from bench import (
     load_prompts,
     run_level,
 )
+from report import parse_env
 from specdec.client import generate
 
 SIDES = {"a": MODES["k0"], "b": MODES["k0"]}  # both k = 0; the servers differ
-
-
-def parse_env(text: str) -> dict[str, str]:
-    pairs = [item.split("=", 1) for item in text.split(",") if item]
-    if any(len(pair) != 2 or not pair[0] for pair in pairs):
-        raise ValueError(f"expected NAME=VALUE,... got {text!r}")
-    return dict(pairs)
 
 
 def describe(r: LevelResult) -> str:

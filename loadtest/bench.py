@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from report import finish_axes, percentile
+from report import finish_axes, parse_env, percentile
 from specdec.client import GenerationResult, StreamingClient, generate, scrape_metrics
 from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS
 
@@ -99,7 +99,7 @@ class LevelResult:
     target_ms_per_iteration: float = 0.0
     schedule_ms_per_iteration: float = 0.0
     respond_ms_per_iteration: float = 0.0
-    outbox_ms_per_iteration: float = 0.0  # beside the loop: sending, metric updates
+    outbox_ms_per_iteration: float = 0.0  # sending, metric updates (inline: within respond)
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -111,7 +111,7 @@ def load_prompts(path: Path) -> list[str]:
     return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
 
 
-# The loop's parts, and the outbox's thread beside it (its time overlaps the loop's).
+# The loop's parts, and the outbox's time (inline: within respond; threaded: beside the loop).
 TIMED_PARTS = (*LOOP_PARTS, "outbox")
 
 
@@ -130,6 +130,11 @@ def loop_counters(values: dict[str, float]) -> dict[str, float]:
         counters[part] = values.get(f'specdec_loop_seconds_total{{part="{part}"}}', 0.0)
     counters["outbox"] = values.get(OUTBOX_SECONDS, 0.0)
     return counters
+
+
+def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """after - before, by name: what loop_counters counted between two readings."""
+    return {name: after[name] - before[name] for name in after}
 
 
 def per_iteration(counted: dict[str, float]) -> dict[str, float]:
@@ -266,7 +271,7 @@ class StaggeredLoad:
         with self.changed:
             self.mode = None
         self._wait(lambda: not any(self.busy))
-        counted = {name: after[name] - before[name] for name in after}
+        counted = deltas(before, after)
         tokens = counted["tokens"] if counted else None
         window = Window(len(self.windows), mode, start, end, tokens, counted)
         self.windows.append(window)
@@ -528,7 +533,7 @@ def main() -> None:
         help="for the own server, e.g. DTYPE=bfloat16,NUM_SLOTS=64",
     )
     args = parser.parse_args()
-    env = dict(item.split("=", 1) for item in args.server_env.split(",") if item)
+    env = parse_env(args.server_env)
     run(
         BenchConfig(
             modes=args.modes.split(","),

@@ -20,7 +20,16 @@ import json
 import time
 from pathlib import Path
 
-from bench import MODES, TIMED_PARTS, WORKLOADS, load_prompts, loop_counters, per_iteration
+from bench import (
+    MODES,
+    TIMED_PARTS,
+    WORKLOADS,
+    deltas,
+    load_prompts,
+    loop_counters,
+    per_iteration,
+)
+from report import parse_env
 from specdec.client import generate, scrape_metrics
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +43,7 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    old, new = loop_counters(before), loop_counters(after)
-    counted = {name: new[name] - old[name] for name in new}
+    counted = deltas(loop_counters(before), loop_counters(after))
     report = {"iterations": counted["iterations"], "emitted_tokens": counted["tokens"]}
     report.update(per_iteration(counted))
     for name in PROPOSER_NAMES:
@@ -111,7 +119,7 @@ def main() -> None:
     if args.url is None:
         from specdec.launch import ManagedServer
 
-        env = dict(kv.split("=", 1) for kv in args.server_env.split(",") if kv)
+        env = parse_env(args.server_env)
         server = ManagedServer("profile-modes", env)
     url = args.url or server.url
     metrics_url = args.metrics_url or server.metrics_url

@@ -1,6 +1,15 @@
-"""Shared by the load-test scripts: percentiles and the look of their plots."""
+"""Shared by the load-test scripts: their --server-env, percentiles and the look of their
+plots."""
 
 from __future__ import annotations
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """A --server-env value, NAME=VALUE,... ("" = none), as a dict."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise ValueError(f"expected NAME=VALUE,... got {text!r}")
+    return dict(pairs)
 
 
 def percentile(values: list[float], q: float) -> float | None:

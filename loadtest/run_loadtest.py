@@ -34,7 +34,7 @@ from schedule import MODES, STAGES, build_plan, segments_of, set_pure_intervals
 from schedule import summarize_segments as summarize
 
 from bench import MODES as KNOWN_MODES
-from report import finish_axes
+from report import finish_axes, parse_env
 from specdec.client import scrape_metrics, wait_until_idle
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -325,7 +325,7 @@ def main() -> None:
         window_seconds=args.window_seconds,
         max_tokens=args.max_tokens,
         model=args.model,
-        server_env=dict(item.split("=", 1) for item in args.server_env.split(",") if item),
+        server_env=parse_env(args.server_env),
     )
     if args.smoke:
         config.stages, config.window_seconds, config.max_tokens = SMOKE_STAGES, 3.0, 16

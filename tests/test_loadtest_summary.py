@@ -21,6 +21,8 @@ from schedule import (  # noqa: E402
     window_at,
 )
 
+from report import parse_env  # noqa: E402
+
 S = 1_000_000_000  # ns per s
 
 
@@ -207,3 +209,12 @@ def test_stream_pool_lengthens_grpc_wait_slices():
         assert grpc._common.MAXIMUM_WAIT_TIMEOUT == WAIT_SLICE_S > original
     finally:
         grpc._common.MAXIMUM_WAIT_TIMEOUT = original
+
+
+def test_server_env_parses_pairs_and_refuses_a_name_without_a_value():
+    assert parse_env("") == {}
+    assert parse_env("DTYPE=bfloat16,NUM_SLOTS=4") == {"DTYPE": "bfloat16", "NUM_SLOTS": "4"}
+    assert parse_env("PROPOSERS=") == {"PROPOSERS": ""}  # "" is a value: no speculation
+    for bad in ("DTYPE", "=bfloat16", "DTYPE=bfloat16,NUM_SLOTS"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            parse_env(bad)
