@@ -81,16 +81,14 @@ class ServerConfig:
             config.parameters.setdefault("draft_model", {})["checkpoint"] = env["DRAFT_CHECKPOINT"]
         if "PROPOSERS" in env:  # "" is a value: no speculation
             config.parameters.setdefault("speculative_decoding", {})["proposers"] = env["PROPOSERS"]
-        if env.get("MAX_QUEUE"):
-            config.parameters.setdefault("speculative_decoding", {})["max_queue"] = env["MAX_QUEUE"]
-        if env.get("RESPONSE_THREAD"):
-            config.parameters.setdefault("speculative_decoding", {})["response_thread"] = env[
-                "RESPONSE_THREAD"
-            ]
-        if env.get("DEFAULT_NUM_DRAFT_TOKENS"):
-            config.parameters.setdefault("speculative_decoding", {})["default_num_draft_tokens"] = (
-                env["DEFAULT_NUM_DRAFT_TOKENS"]
-            )
+        bls_keys = {
+            "MAX_QUEUE": "max_queue",
+            "RESPONSE_THREAD": "response_thread",
+            "DEFAULT_NUM_DRAFT_TOKENS": "default_num_draft_tokens",
+        }
+        for var, key in bls_keys.items():
+            if env.get(var):
+                config.parameters.setdefault("speculative_decoding", {})[key] = env[var]
         return config
 
 

@@ -9,7 +9,7 @@ definition.
 # proposers, the controller, acceptance), and building the responses and handing them to
 # the outbox (serving/outbox.py; it waits only when the outbox is two iterations behind).
 LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
-# Seconds the outbox's thread spent sending responses and applying metric updates.
+# Seconds the outbox spent sending responses and applying metric updates.
 OUTBOX_SECONDS = "specdec_outbox_seconds_total"
 # How requests end (specdec_requests_total{outcome=...}).
 OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")

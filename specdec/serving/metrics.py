@@ -76,8 +76,8 @@ class LoopMetrics:
         self.free_slots.set(num_slots)
         self.outbox_seconds = family(
             OUTBOX_SECONDS,
-            "Seconds the outbox thread spent sending responses and applying metric updates "
-            "(beside the loop, not part of it)",
+            "Seconds the outbox spent sending responses and applying metric updates (inline: "
+            "within the loop's respond part; with response_thread: beside the loop)",
             counter,
         ).Metric(labels=labels)
         self.outbox_seconds_flushed = 0.0
