@@ -164,7 +164,13 @@ class BatchedAttention:
     keys: int  # key positions read (the longest row's total length)
     sources: torch.Tensor  # (M,) packed token index of each query
     dests: torch.Tensor  # (M,) its index in the (span * width) layout
-    mask: torch.Tensor  # (span, 1, group * width, keys) bool, True = may attend
+    # (span, 1, group * width, keys), added to the scores: 0 where a query may attend, -inf
+    # elsewhere (made once per forward; a bool mask is converted in every layer's call).
+    mask: torch.Tensor
+    # When every slot of the call is one row adding one token (decoding): (span,) the packed
+    # token of each slot, so queries and outputs move with one gather and one scatter, no
+    # padded copy. None otherwise.
+    order: torch.Tensor | None = None
 
 
 @dataclass
@@ -333,7 +339,13 @@ class LlamaEngine:
             dests.extend(slot * width + t for t in range(width))
             limits = torch.arange(cached, cached + width)  # each query sees keys <= its pos
             allowed[slot] = torch.arange(keys)[None, :] <= limits[:, None]
-        mask = allowed[:, None, None].expand(span, 1, group, width, keys)
+        order = None
+        if width == 1 and span == len(rows):
+            order = [0] * span
+            for source, dest in zip(sources, dests, strict=True):
+                order[dest] = source
+        allowed = allowed[:, None, None].expand(span, 1, group, width, keys)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, -math.inf)
         return BatchedAttention(
             slots=slots,
             span=span,
@@ -342,18 +354,22 @@ class LlamaEngine:
             sources=torch.tensor(sources, device=self.device),
             dests=torch.tensor(dests, device=self.device),
             mask=mask.reshape(span, 1, group * width, keys).to(self.device),
+            order=torch.tensor(order, device=self.device) if order is not None else None,
         )
 
     def _batched_attention(self, li, q, attn, b: BatchedAttention) -> None:
         c = self.config
         group = c.num_heads // c.num_kv_heads
-        padded = q.new_zeros(b.span * b.width, c.num_heads, c.head_dim)
-        padded.index_copy_(0, b.dests, q[b.sources])
-        # (span, width, kvh, group, hd) -> (span, kvh, group * width, hd): a kv head's queries
-        queries = padded.view(b.span, b.width, c.num_kv_heads, group, c.head_dim)
-        queries = queries.permute(0, 2, 3, 1, 4).reshape(
-            b.span, c.num_kv_heads, group * b.width, c.head_dim
-        )
+        if b.order is not None:  # (span, nh, hd) is (span, kvh, group, hd): a kv head's queries
+            queries = q.index_select(0, b.order).view(b.span, c.num_kv_heads, group, c.head_dim)
+        else:
+            padded = q.new_zeros(b.span * b.width, c.num_heads, c.head_dim)
+            padded.index_copy_(0, b.dests, q[b.sources])
+            # (span, width, kvh, group, hd) -> (span, kvh, group * width, hd)
+            queries = padded.view(b.span, b.width, c.num_kv_heads, group, c.head_dim)
+            queries = queries.permute(0, 2, 3, 1, 4).reshape(
+                b.span, c.num_kv_heads, group * b.width, c.head_dim
+            )
         if isinstance(b.slots, slice):  # (span, kvh, L, hd): a view
             keys = self.k_cache[li, b.slots, :, : b.keys]
             values = self.v_cache[li, b.slots, :, : b.keys]
@@ -361,6 +377,9 @@ class LlamaEngine:
             keys = self.k_cache[li, :, :, : b.keys].index_select(0, b.slots)
             values = self.v_cache[li, :, :, : b.keys].index_select(0, b.slots)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask)
+        if b.order is not None:
+            attn.index_copy_(0, b.order, out.view(b.span, c.num_heads, c.head_dim))
+            return
         out = out.view(b.span, c.num_kv_heads, group, b.width, c.head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(b.span * b.width, c.num_heads, c.head_dim)
         attn[b.sources] = out[b.dests]
@@ -422,11 +441,10 @@ class LlamaEngine:
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps).to(dtype)
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # (N, q + 2 kv), compute dtype
-            q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(n, c.num_kv_heads, c.head_dim)
+            qk = qkv[:, : q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin  # q's heads and k's, rotated together
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(n, c.num_kv_heads, c.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
             self.k_cache[li][token_slots, :, positions] = k  # (N, kvh, hd)
             self.v_cache[li][token_slots, :, positions] = v
             attn = torch.empty_like(q)  # (N, nh, hd)
@@ -436,10 +454,10 @@ class LlamaEngine:
                 self._row_attention(
                     li, q, attn, slot_ids[row], cache_lengths[row], starts[row], starts[row + 1]
                 )
-            x = x + F.linear(attn.reshape(n, q_size), layer["o"]).float()
+            x.add_(F.linear(attn.reshape(n, q_size), layer["o"]))  # float32 += compute dtype
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps).to(dtype)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"]).float()
+            x.add_(F.linear(F.silu(gate) * up, layer["down"]))
 
         picks = torch.cat(
             [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
