@@ -35,6 +35,23 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_MODELS = ("draft_model", "target_model")
+BLS_MODELS = ("speculative_decoding",)
+# Environment variables that set config.pbtxt parameters (when set and not empty):
+# variable -> (parameter, the models that take it).
+ENV_PARAMETERS = {
+    "NUM_SLOTS": ("num_slots", ENGINE_MODELS + BLS_MODELS),
+    "MAX_CONTEXT": ("max_context", ENGINE_MODELS + BLS_MODELS),
+    "ENGINE": ("engine", ENGINE_MODELS),  # torch, onnxruntime, tensorrt
+    "DEVICE": ("device", ENGINE_MODELS),  # the torch engine's: cpu, cuda
+    "DTYPE": ("dtype", ENGINE_MODELS),  # float32, bfloat16, float16, auto
+    "DRAFT_ENGINE_DIR": ("engine_dir", ("draft_model",)),
+    "TARGET_ENGINE_DIR": ("engine_dir", ("target_model",)),
+    "TARGET_CHECKPOINT": ("checkpoint", ("target_model", "preprocessing") + BLS_MODELS),
+    "DRAFT_CHECKPOINT": ("checkpoint", ("draft_model",)),
+    "MAX_QUEUE": ("max_queue", BLS_MODELS),
+    "RESPONSE_THREAD": ("response_thread", BLS_MODELS),
+    "DEFAULT_NUM_DRAFT_TOKENS": ("default_num_draft_tokens", BLS_MODELS),
+}
 
 
 @dataclass
@@ -59,36 +76,12 @@ class ServerConfig:
         )
         if env.get("RUN_DIR"):
             config.run_dir = Path(env["RUN_DIR"])
-        for var, key in {"NUM_SLOTS": "num_slots", "MAX_CONTEXT": "max_context"}.items():
-            if env.get(var):
-                for model in ENGINE_MODELS + ("speculative_decoding",):
-                    config.parameters.setdefault(model, {})[key] = env[var]
-        engine_keys = {
-            "ENGINE": ("engine", ENGINE_MODELS),  # torch, onnxruntime, tensorrt
-            "DEVICE": ("device", ENGINE_MODELS),  # the torch engine's: cpu, cuda
-            "DTYPE": ("dtype", ENGINE_MODELS),  # float32, bfloat16, float16, auto
-            "DRAFT_ENGINE_DIR": ("engine_dir", ("draft_model",)),
-            "TARGET_ENGINE_DIR": ("engine_dir", ("target_model",)),
-        }
-        for var, (key, models) in engine_keys.items():
+        for var, (key, models) in ENV_PARAMETERS.items():
             if env.get(var):
                 for model in models:
                     config.parameters.setdefault(model, {})[key] = env[var]
-        if env.get("TARGET_CHECKPOINT"):
-            for model in ("target_model", "speculative_decoding", "preprocessing"):
-                config.parameters.setdefault(model, {})["checkpoint"] = env["TARGET_CHECKPOINT"]
-        if env.get("DRAFT_CHECKPOINT"):
-            config.parameters.setdefault("draft_model", {})["checkpoint"] = env["DRAFT_CHECKPOINT"]
         if "PROPOSERS" in env:  # "" is a value: no speculation
             config.parameters.setdefault("speculative_decoding", {})["proposers"] = env["PROPOSERS"]
-        bls_keys = {
-            "MAX_QUEUE": "max_queue",
-            "RESPONSE_THREAD": "response_thread",
-            "DEFAULT_NUM_DRAFT_TOKENS": "default_num_draft_tokens",
-        }
-        for var, key in bls_keys.items():
-            if env.get(var):
-                config.parameters.setdefault("speculative_decoding", {})[key] = env[var]
         return config
 
 
