@@ -45,9 +45,9 @@ def test_packed_batch_logits_match_hf(engine, hf_target):
 def test_rows_of_mixed_widths_in_scattered_slots_match_hf(target_dir, hf_target):
     # Each width attends in a call of its own: decoding rows in adjacent slots, packed out
     # of slot order, read the slot range (A, B; their queries are gathered into slot order
-    # and their outputs scattered back), rows far apart read a gathered copy of their slots
-    # (C, D), and a row alone at its width attends by itself (E). Every path must give HF's
-    # logits.
+    # and their outputs scattered back); rows far apart read a gathered copy of their slots
+    # (C, D); rows whose range has a gap read it padded, the gap masked (F, G); and a row
+    # alone at its width attends by itself (E). Every path must give HF's logits.
     tokenizer, model = hf_target
     engine = LlamaEngine.from_checkpoint(target_dir, num_slots=8, max_length=128)
     prompts = {  # slot -> (prompt, new tokens in the call), in packed order
@@ -55,7 +55,9 @@ def test_rows_of_mixed_widths_in_scattered_slots_match_hf(target_dir, hf_target)
         0: ("The capital of France is", 1),
         2: ("Once upon a time, in a", 3),
         7: ("Water boils at a temperature of", 3),
-        4: ("The quick brown fox jumps over", 2),
+        5: ("The quick brown fox jumps over", 4),
+        4: ("import numpy as np", 2),
+        6: ("Dear Sir or Madam, I am writing", 2),
     }
     ids = {slot: tokenizer(text).input_ids for slot, (text, _) in prompts.items()}
     widths = {slot: width for slot, (_, width) in prompts.items()}

@@ -167,9 +167,9 @@ class BatchedAttention:
     # (span, 1, group * width, keys), added to the scores: 0 where a query may attend, -inf
     # elsewhere (made once per forward; a bool mask is converted in every layer's call).
     mask: torch.Tensor
-    # When every slot of the call is one row adding one token (decoding): (span,) the packed
-    # token of each slot, so queries and outputs move with one gather and one scatter, no
-    # padded copy. None otherwise.
+    # When every slot the call reads is one of its rows (no gaps in the layout): (M,) the
+    # packed token at each place of the layout, so queries and outputs move with one gather
+    # and one scatter instead of a zeroed padded copy. None otherwise.
     order: torch.Tensor | None = None
 
 
@@ -340,8 +340,8 @@ class LlamaEngine:
             limits = torch.arange(cached, cached + width)  # each query sees keys <= its pos
             allowed[slot] = torch.arange(keys)[None, :] <= limits[:, None]
         order = None
-        if width == 1 and span == len(rows):
-            order = [0] * span
+        if span == len(rows):  # every place of the layout is a row's token
+            order = [0] * len(sources)
             for source, dest in zip(sources, dests, strict=True):
                 order[dest] = source
         allowed = allowed[:, None, None].expand(span, 1, group, width, keys)
@@ -360,16 +360,17 @@ class LlamaEngine:
     def _batched_attention(self, li, q, attn, b: BatchedAttention) -> None:
         c = self.config
         group = c.num_heads // c.num_kv_heads
-        if b.order is not None:  # (span, nh, hd) is (span, kvh, group, hd): a kv head's queries
-            queries = q.index_select(0, b.order).view(b.span, c.num_kv_heads, group, c.head_dim)
+        if b.order is not None:
+            laid_out = q.index_select(0, b.order)  # (span * width, nh, hd)
         else:
-            padded = q.new_zeros(b.span * b.width, c.num_heads, c.head_dim)
-            padded.index_copy_(0, b.dests, q[b.sources])
-            # (span, width, kvh, group, hd) -> (span, kvh, group * width, hd)
-            queries = padded.view(b.span, b.width, c.num_kv_heads, group, c.head_dim)
-            queries = queries.permute(0, 2, 3, 1, 4).reshape(
-                b.span, c.num_kv_heads, group * b.width, c.head_dim
-            )
+            laid_out = q.new_zeros(b.span * b.width, c.num_heads, c.head_dim)
+            laid_out.index_copy_(0, b.dests, q[b.sources])
+        # (span, width, kvh, group, hd) -> (span, kvh, group * width, hd): a kv head's queries
+        # (a view when width is 1)
+        queries = laid_out.view(b.span, b.width, c.num_kv_heads, group, c.head_dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(
+            b.span, c.num_kv_heads, group * b.width, c.head_dim
+        )
         if isinstance(b.slots, slice):  # (span, kvh, L, hd): a view
             keys = self.k_cache[li, b.slots, :, : b.keys]
             values = self.v_cache[li, b.slots, :, : b.keys]
@@ -377,12 +378,12 @@ class LlamaEngine:
             keys = self.k_cache[li, :, :, : b.keys].index_select(0, b.slots)
             values = self.v_cache[li, :, :, : b.keys].index_select(0, b.slots)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask)
-        if b.order is not None:
-            attn.index_copy_(0, b.order, out.view(b.span, c.num_heads, c.head_dim))
-            return
         out = out.view(b.span, c.num_kv_heads, group, b.width, c.head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(b.span * b.width, c.num_heads, c.head_dim)
-        attn[b.sources] = out[b.dests]
+        if b.order is not None:
+            attn.index_copy_(0, b.order, out)
+        else:
+            attn[b.sources] = out[b.dests]
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits of float32 hidden states h (M, H). Below float32 the head runs in
