@@ -115,6 +115,40 @@ def test_lookup_drafts_copied_text_without_the_draft_model(monkeypatch):
     assert sequence.stats.num_target_passes < 30
 
 
+@pytest.mark.parametrize(("host_seconds_per_token", "pays"), [(0.0, True), (0.012, False)])
+def test_lookups_are_priced_by_whole_iterations(monkeypatch, host_seconds_per_token, pays):
+    # The target call costs 10 ms + 0.5 ms per token: by it alone every lookup token pays.
+    # When the loop's own work costs 12 ms per proposed token, no lookup pays, and after one
+    # measured try the loop stops proposing (but for the occasional one-token probe).
+    monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
+    clock = [0.0]
+    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", lambda: clock[0])
+    scheduler, engines = make_scheduler()
+    fake_target, build_target_batch = engines.target, scheduler._target_batch
+
+    def target(batch):
+        clock[0] += 0.010 + 0.0005 * len(batch.input_ids)
+        return fake_target(batch)
+
+    def target_batch(batch, proposals, copies):
+        clock[0] += host_seconds_per_token * sum(len(ids) for ids, _ in proposals.values())
+        return build_target_batch(batch, proposals, copies)
+
+    monkeypatch.setattr(engines, "target", target)
+    monkeypatch.setattr(scheduler, "_target_batch", target_batch)
+    sequence = scheduler.submit(GenerationRequest(None, PROMPT, 200, end_id=-1, proposer="ngram"))
+    steps = proposing = 0
+    while scheduler.has_work:
+        scheduler.step()
+        steps += 1
+        proposing += scheduler.last_iteration.num_draft_tokens > 0
+    assert sequence.token_ids[len(PROMPT) :] == repeat(PROMPT, 200)
+    if pays:
+        assert proposing > steps / 2
+    else:
+        assert steps > 150 and proposing <= steps / 8
+
+
 def test_exact_lookup_k_and_greedy_exactness_on_text_that_does_not_copy():
     # The default oracle rarely repeats: lookups are mostly rejected, output stays exact.
     scheduler, _ = make_scheduler()

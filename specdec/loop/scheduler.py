@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from specdec.engines.interface import LOOKBACK_TOKENS, EngineBatch, EngineResult
-from specdec.loop.controller import AcceptanceWindow, AdaptiveController, Choice
+from specdec.loop.controller import AcceptanceWindow, AdaptiveController, Choice, CostCurve
 from specdec.loop.ngram import DEFAULT_MATCH_LENGTHS, NgramCandidate, NgramIndex, plan_ngram_tokens
 from specdec.loop.rejection import Verdict, rejection_sample, verify_greedy
 from specdec.text.detokenizer import Decode, IncrementalDetokenizer
@@ -56,6 +56,21 @@ NGRAM_MARGIN = 1.05
 # one token: its acceptance estimate would otherwise never recover from a bad start.
 NGRAM_PROBE_EVERY = 16
 ROW_WINDOW = 16  # a row's own acceptance window: rows differ, and a request is short
+
+
+@dataclass
+class TimedStep:
+    """A steady step (no prefill) whose whole cost is measured from its start to the next
+    step's start, so that the glue's work between steps (responses, cancellation checks)
+    counts too."""
+
+    start: float
+    busy: float  # seconds inside step(); a much longer gap means the loop idled after it
+    batch_size: int
+    k: int  # the draft controller's choice
+    probe: bool
+    by_choice: bool  # every row ran the controller's choice: the controller may book it
+    tokens: int | None  # tokens verified, where no draft model ran: the lookup plan's price
 
 
 @dataclass
@@ -171,10 +186,12 @@ class SpeculativeScheduler:
             n: AcceptanceWindow(config.max_draft_tokens) for n in config.ngram_match_lengths
         }
         self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
-        # (start, busy seconds, batch size, k, probe) of the last steady step: its cost is
-        # measured from its start to the next step's start, so the glue's work between steps
-        # counts too.
-        self._timed_step: tuple[float, float, int, int, bool] | None = None
+        self._timed_step: TimedStep | None = None
+        # Whole steady iterations without a draft model call, by tokens verified: what the
+        # lookup plan prices its tokens by. A target-call price missed the host's own work
+        # per proposed token (lookups, verdicts, longer responses): at 64 streams that work
+        # grew 6% of an iteration and turned a planned 5% gain into a 4% loss (make bench).
+        self.iteration_cost_by_tokens = CostCurve()
 
     # -- joining and leaving ---------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Sequence:
@@ -407,11 +424,14 @@ class SpeculativeScheduler:
         self.ngram_acceptance[sequence.ngram_match_length].observe(k, num_accepted)
 
     def _verify_cost(self, batch_size: int):
-        """Seconds of a target call by tokens verified. Until a call longer than plain
-        decoding's has been measured, extra tokens are priced at nothing, so that one
-        verify is tried and measured (extrapolating from plain decoding alone would price
-        each token as a whole row, and lookups would never start)."""
-        curve = self.controller.target_cost
+        """Seconds of an iteration by tokens verified: whole iterations as measured, or the
+        target call's until one has been. Until a verify longer than plain decoding's has
+        been measured, extra tokens are priced at nothing, so that one verify is tried and
+        measured (extrapolating from plain decoding alone would price each token as a whole
+        row, and lookups would never start)."""
+        curve = self.iteration_cost_by_tokens
+        if not curve.sizes:
+            curve = self.controller.target_cost
         if curve.sizes and curve.sizes[-1] <= batch_size:
             plain = curve.estimate(batch_size)
             return lambda num_tokens: plain
@@ -497,9 +517,16 @@ class SpeculativeScheduler:
         # Only an iteration that ran the choice for every row measures what the choice costs:
         # no prefill, no rows with a k of their own (a batch of fixed k = 4 rows would
         # otherwise be booked as the cost of k = 0). A probe is booked as a probe.
-        if all_adaptive and not admitted:
-            busy = time.perf_counter() - step_start
-            self._timed_step = (step_start, busy, len(batch), choice.k, choice.probe)
+        if not admitted:
+            self._timed_step = TimedStep(
+                start=step_start,
+                busy=time.perf_counter() - step_start,
+                batch_size=len(batch),
+                k=choice.k,
+                probe=choice.probe,
+                by_choice=all_adaptive,
+                tokens=None if drafting else len(target_batch.input_ids),
+            )
         self.controller.end_iteration(drafted=bool(drafting))
         self.running = [s for s in self.running if s.finish_reason is None]
         if not self.running:  # the loop now waits for a request: that wait is no step's cost
@@ -509,14 +536,16 @@ class SpeculativeScheduler:
 
     def _close_timed_step(self, now: float) -> None:
         """Records the last steady step's whole cost, unless the loop idled after it."""
-        if self._timed_step is not None:
-            start, busy, batch_size, k, probe = self._timed_step
-            if now - start < 3 * busy:  # longer: the loop waited for work
-                if probe:
-                    self.controller.observe_probe(batch_size, now - start)
-                else:
-                    self.controller.observe_iteration(batch_size, k, now - start)
-        self._timed_step = None
+        timed, self._timed_step = self._timed_step, None
+        if timed is None or now - timed.start >= 3 * timed.busy:  # the loop waited for work
+            return
+        seconds = now - timed.start
+        if timed.tokens is not None:
+            self.iteration_cost_by_tokens.observe(timed.tokens, seconds)
+        if timed.by_choice and timed.probe:
+            self.controller.observe_probe(timed.batch_size, seconds)
+        elif timed.by_choice:
+            self.controller.observe_iteration(timed.batch_size, timed.k, seconds)
 
     def _propose(
         self, drafting: list[Sequence], copies: list[tuple[int, int, int]]
