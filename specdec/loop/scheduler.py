@@ -188,9 +188,11 @@ class SpeculativeScheduler:
         self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
         self._timed_step: TimedStep | None = None
         # Whole steady iterations without a draft model call, by tokens verified: what the
-        # lookup plan prices its tokens by. A target-call price missed the host's own work
-        # per proposed token (lookups, verdicts, longer responses): at 64 streams that work
-        # grew 6% of an iteration and turned a planned 5% gain into a 4% loss (make bench).
+        # lookup plan prices its tokens by. A target-call price saw neither the loop's own
+        # work per proposed token (lookups, verdicts) nor the responses and checks that every
+        # iteration pays at any k; at 64 grounded streams it planned a 5% gain and got a 4%
+        # loss. Priced by whole iterations the plan proposes more there, not less: the shared
+        # per-iteration costs outweigh the per-token work (docs/benchmarks.md, fifth run).
         self.iteration_cost_by_tokens = CostCurve()
 
     # -- joining and leaving ---------------------------------------------------------------
@@ -514,9 +516,10 @@ class SpeculativeScheduler:
             stats.num_draft_tokens += k
             stats.num_accepted_draft_tokens += verdict.num_accepted
             stats.emitted_per_row.append(sequence.num_output_tokens - before)
-        # Only an iteration that ran the choice for every row measures what the choice costs:
-        # no prefill, no rows with a k of their own (a batch of fixed k = 4 rows would
-        # otherwise be booked as the cost of k = 0). A probe is booked as a probe.
+        # A prefill is no steady step. The draft controller books only a step that ran its
+        # choice for every row (`by_choice`: no rows with a k of their own, or a batch of
+        # fixed k = 4 rows would be booked as the cost of k = 0), a probe as a probe; the
+        # lookup plan's curve only a step without a draft model call (`tokens`).
         if not admitted:
             self._timed_step = TimedStep(
                 start=step_start,
