@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.engines.interface import EngineBatch, EngineResult, lookback_lengths
+from specdec.engines.wire import EngineBatch, EngineResult, lookback_lengths
 
 VOCAB = 50
 

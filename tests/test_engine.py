@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engines.interface import EngineBatch, lookback_lengths, run_draft, run_target
+from specdec.engines.in_process import run_draft, run_target
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.sampling import RowSampling, probs_from_logits
+from specdec.engines.wire import EngineBatch, lookback_lengths
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,20 @@ def test_the_readme_map_names_paths_that_exist():
     assert len(paths) >= 8, paths
     for path in paths:
         assert (ROOT / path.rstrip("/")).exists(), f"README map: {path} does not exist"
+
+
+def test_the_loop_loads_no_decoder():
+    """The loop speaks the engines' wire format; running an engine is the engine models' job.
+    Importing every loop module loads neither the torch decoder nor onnxruntime nor TensorRT."""
+    code = (
+        "import importlib, pkgutil, sys, specdec.loop\n"
+        "for m in pkgutil.walk_packages(specdec.loop.__path__, 'specdec.loop.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
+    assert "specdec.loop.scheduler" in loaded  # the walk found the loop's modules
+    decoders = ("specdec.engines.llama", "specdec.engines.in_process", "onnxruntime", "tensorrt")
+    assert not [m for m in loaded if m.split(".")[0] in decoders or m in decoders]

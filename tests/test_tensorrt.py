@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import DRAFT, TARGET
-from specdec.engines.interface import LOOKBACK_TOKENS, EngineBatch, run_draft, run_target
+from specdec.engines.in_process import run_draft, run_target
 from specdec.engines.llama import LlamaConfig, LlamaEngine
 from specdec.engines.onnx_engine import OnnxEngine, group_rows, manifest_config, pad_rows
 from specdec.engines.onnx_export import (
@@ -45,6 +45,7 @@ from specdec.engines.trt_engine import (
     plan_mismatch,
     select_profile,
 )
+from specdec.engines.wire import LOOKBACK_TOKENS, EngineBatch
 from specdec.launch import PROJECT_ROOT
 
 ENGINES_ROOT = PROJECT_ROOT / ".run" / "engines"

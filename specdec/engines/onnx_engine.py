@@ -1,8 +1,8 @@
 """Engines that run an exported decoder graph (specdec/engines/onnx_export.py) over a slot KV cache.
 
 `GraphEngine` has `LlamaEngine`'s surface (`forward`, `config`, `num_slots`, `max_length`),
-so specdec/engines/interface.py drives any of them. It owns the cache (torch tensors, on the CPU for
-onnxruntime, on the GPU for TensorRT), and per call:
+so specdec/engines/in_process.py drives any of them. It owns the cache (torch tensors, on the
+CPU for onnxruntime, on the GPU for TensorRT), and per call:
 1. groups the packed rows: short rows (decode, verify) share one padded call; long rows
    (prefill) run one by one, so a prompt does not pad every other row to its length;
 2. pads a group's new tokens to T and gathers its slots' past keys and values padded to P

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.engines.interface import LOOKBACK_TOKENS
 from specdec.engines.onnx_engine import MAX_BATCHED_QUERY, GraphEngine, default_engines_root
 from specdec.engines.onnx_export import DTYPES, MANIFEST, input_names, read_manifest
+from specdec.engines.wire import LOOKBACK_TOKENS
 
 PLAN_FILE = "model.plan"
 # Bump when a plan folder's layout or the meaning of its profiles changes: older plans are

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specdec.engines.interface import LOOKBACK_TOKENS, EngineBatch, EngineResult
+from specdec.engines.wire import LOOKBACK_TOKENS, EngineBatch, EngineResult
 from specdec.loop.controller import AcceptanceWindow, AdaptiveController, Choice, CostCurve
 from specdec.loop.ngram import DEFAULT_MATCH_LENGTHS, NgramCandidate, NgramIndex, plan_ngram_tokens
 from specdec.loop.rejection import Verdict, rejection_sample, verify_greedy

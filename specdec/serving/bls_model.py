@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engines.interface import EngineBatch, EngineResult
+from specdec.engines.wire import EngineBatch, EngineResult
 from specdec.loop.scheduler import (
     QueueFull,
     SchedulerConfig,

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engines.interface import EngineBatch, run_draft, run_target
+from specdec.engines.in_process import run_draft, run_target
 from specdec.engines.select import create_engine
+from specdec.engines.wire import EngineBatch
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 
 

@@ -1,0 +1,110 @@
+"""The engine call's wire format: what the loop sends to an engine model and what it gets back.
+
+Both engine models take the same tensors and return the same tensors; only the work differs.
+- draft:  append each row's new tokens to its slot, then propose `num_steps` tokens one at a
+          time (all k steps inside one call: one Triton call per draft step would eat the gain).
+          A greedy row that catches up (fed more than 2 tokens) also gets, for up to
+          LOOKBACK_TOKENS of them, the draft's argmax guess of each from the tokens before
+          it: how often it would have agreed with what plain decoding produced, without a
+          verify.
+- target: append each row's new tokens (pending tokens + the draft's proposals) and return,
+          for the row's last `num_steps` positions, the target argmax (greedy rows) or the
+          target distribution (sampled rows); for greedy rows that ask (return_log_probs),
+          also the argmax's log-probability.
+Probabilities cross the model boundary only for sampled rows.
+Before either runs, the call copies cache prefixes between slots (copy_*): the sequences a
+request asks for with num_return_sequences share its prompt's cache, filled once.
+
+Plain numpy: the loop imports this module without loading a decoder. Running a call in this
+process is specdec/engines/in_process.py; over Triton, specdec/serving/engine_model.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+
+@dataclass
+class EngineBatch:
+    input_ids: np.ndarray  # (N,) int64, every row's new tokens, packed
+    input_lengths: np.ndarray  # (B,) int32
+    slot_ids: np.ndarray  # (B,) int32
+    cache_lengths: np.ndarray  # (B,) int32, valid positions already in the slot
+    num_steps: np.ndarray  # (B,) int32, draft: tokens to propose; target: positions to return
+    temperature: np.ndarray  # (B,) float32
+    top_k: np.ndarray  # (B,) int32
+    top_p: np.ndarray  # (B,) float32
+    end_ids: np.ndarray  # (B,) int32, -1 = none
+    min_tokens_left: np.ndarray  # (B,) int32, the end token is blocked at positions below this
+    seeds: np.ndarray  # (B,) int64, the draft's sampling seed for this call
+    # Optional: an empty default is left out of the Triton call.
+    return_log_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
+    copy_src_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    copy_dst_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    copy_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in OPTIONAL_BATCH_FIELDS or getattr(self, f.name).size
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineBatch:
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in arrays and n not in OPTIONAL_BATCH_FIELDS]
+        if missing:
+            raise ValueError(f"engine call misses tensors {missing}")
+        return cls(**{n: np.asarray(arrays[n]).reshape(-1) for n in names if n in arrays})
+
+    def wants_log_probs(self) -> np.ndarray:
+        """(B,) bool: rows whose greedy tokens come with their log-probability."""
+        if not self.return_log_probs.size:
+            return np.zeros(len(self.slot_ids), dtype=np.bool_)
+        return self.return_log_probs.astype(np.bool_)
+
+
+# The most fed tokens per row the draft guesses in hindsight: enough samples for the
+# acceptance estimate from one catch-up, while the reduced head over them stays cheap.
+LOOKBACK_TOKENS = 32
+
+
+def lookback_lengths(input_lengths: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    """Guesses per row: only a greedy row's catch-up. A sampled row's tokens are draws, not
+    the argmax; and a drafting row is fed 1 or 2 tokens, where 2 means its proposals all
+    won and the one guess (of the bonus token) would favour easy text."""
+    catching_up = (input_lengths > 2) & (temperature == 0)
+    return np.where(catching_up, np.minimum(input_lengths.astype(np.int64) - 1, LOOKBACK_TOKENS), 0)
+
+
+OPTIONAL_BATCH_FIELDS = ("return_log_probs", "copy_src_slots", "copy_dst_slots", "copy_lengths")
+
+
+@dataclass
+class EngineResult:
+    token_ids: np.ndarray  # (B, max num_steps) int64, -1 where a row has no token
+    probs: np.ndarray  # (P, V) float32, sampled rows' distributions, rows in order
+    # (B, L) int64, draft only: row r's first n entries (n: those >= 0) are its argmax
+    # guesses of its last n fed tokens, in order, each from the tokens before it
+    # (n = lookback_lengths(...)[r]).
+    lookback_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    # (B, max num_steps) float32, target only: log-probability of token_ids[r, j] for greedy
+    # rows with return_log_probs (0 elsewhere); (0, 0) when no row asked.
+    log_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineResult:
+        return cls(**{f.name: arrays[f.name] for f in fields(cls)})
+
+    def lookback(self, row: int) -> list[int]:
+        """Row's guesses of its last fed tokens (see lookback_ids)."""
+        if row >= self.lookback_ids.shape[0]:
+            return []
+        guesses = self.lookback_ids[row]
+        return guesses[guesses >= 0].tolist()
