@@ -37,7 +37,8 @@ from build.draft_prompts import (
 )
 from specdec.engines.in_process import LocalEngines
 from specdec.engines.llama import HEAD_TOKEN_IDS, LlamaEngine, load_hf_checkpoint
-from specdec.loop.scheduler import SchedulerConfig, SpeculativeScheduler
+from specdec.loop.config import SchedulerConfig
+from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.text.request import GenerationRequest
 from specdec.text.tokenizer import TextTokenizer
 

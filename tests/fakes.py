@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.engines.wire import EngineBatch, EngineResult, lookback_lengths
+from specdec.engines.wire import EngineBatch, EngineResult, hindsight_lengths
 
 VOCAB = 50
 
@@ -66,17 +66,17 @@ class FakeEngines:
         self.calls.append(("draft", len(rows)))
         self.input_lengths.append(("draft", batch.input_lengths.tolist()))
         out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
-        guessed = lookback_lengths(batch.input_lengths, batch.temperature)
-        lookback = np.full((len(rows), max(guessed)), -1, dtype=np.int64)
+        guessed = hindsight_lengths(batch.input_lengths, batch.temperature)
+        hindsight = np.full((len(rows), max(guessed)), -1, dtype=np.int64)
         for r, held in enumerate(rows):
             for j in range(guessed[r]):  # each of the last fed tokens, from those before it
-                lookback[r, j] = draft_guess(held[: len(held) - guessed[r] + j])
+                hindsight[r, j] = draft_guess(held[: len(held) - guessed[r] + j])
             for step in range(int(batch.num_steps[r])):
                 token = draft_guess(held)
                 out[r, step] = token
                 if step + 1 < batch.num_steps[r]:
                     held.append(token)  # fed, as the real draft does
-        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32), lookback)
+        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32), hindsight)
 
     def target(self, batch: EngineBatch) -> EngineResult:
         rows = self._append(self.target_cache, batch)

@@ -9,7 +9,7 @@ import torch
 from specdec.engines.in_process import run_draft, run_target
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.sampling import RowSampling, probs_from_logits
-from specdec.engines.wire import EngineBatch, lookback_lengths
+from specdec.engines.wire import EngineBatch, hindsight_lengths
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +199,8 @@ def test_draft_guesses_its_fed_tokens_and_may_propose_none(engine):
         ),
     )
     reference = engine.forward(torch.tensor(tokens), [12], [2], [0], [12]).argmax(-1)
-    assert result.lookback(0) == reference[:11].tolist()  # the guesses of tokens 1..11
-    assert result.lookback(1) == []  # sampled: its tokens are draws, nothing to guess
+    assert result.hindsight(0) == reference[:11].tolist()  # the guesses of tokens 1..11
+    assert result.hindsight(1) == []  # sampled: its tokens are draws, nothing to guess
     assert result.token_ids[0].tolist() == [-1, -1]
     assert (result.token_ids[1] >= 0).all()
     assert result.probs.shape == (2, engine.config.vocab_size)
@@ -210,4 +210,4 @@ def test_only_a_greedy_catch_up_is_guessed():
     # A drafting row is fed 1 or 2 tokens; a sampled row's tokens are draws.
     lengths = np.array([40, 12, 2, 1, 5], dtype=np.int32)
     temperature = np.array([0.0, 0.0, 0.0, 0.0, 0.9], dtype=np.float32)
-    assert lookback_lengths(lengths, temperature).tolist() == [32, 11, 0, 0, 0]
+    assert hindsight_lengths(lengths, temperature).tolist() == [32, 11, 0, 0, 0]

@@ -1,4 +1,5 @@
-"""Prompt lookup (specdec/loop/ngram.py) and its use by the loop, with scripted engines."""
+"""Prompt lookup (specdec/loop/proposers/ngram.py) and its use by the loop, with scripted
+engines."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 
 import fakes
 from fakes import FakeEngines, fake_decode
-from specdec.loop.ngram import NgramCandidate, NgramIndex, plan_ngram_tokens
-from specdec.loop.scheduler import SchedulerConfig, SpeculativeScheduler
+from specdec.loop.config import SchedulerConfig
+from specdec.loop.proposers.ngram import NgramCandidate, NgramIndex, plan_ngram_tokens
+from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.text.request import GenerationRequest
 
 
@@ -130,9 +132,9 @@ def test_lookups_are_priced_by_whole_iterations(monkeypatch, host_seconds_per_to
         clock[0] += 0.010 + 0.0005 * len(batch.input_ids)
         return fake_target(batch)
 
-    def target_batch(batch, proposals, copies):
-        clock[0] += host_seconds_per_token * sum(len(ids) for ids, _ in proposals.values())
-        return build_target_batch(batch, proposals, copies)
+    def target_batch(batch, plan, proposals, copies):
+        clock[0] += host_seconds_per_token * sum(len(p.token_ids) for p in proposals.values())
+        return build_target_batch(batch, plan, proposals, copies)
 
     monkeypatch.setattr(engines, "target", target)
     monkeypatch.setattr(scheduler, "_target_batch", target_batch)
@@ -186,7 +188,7 @@ def test_rows_choose_their_own_proposer(monkeypatch):
     while scheduler.has_work:
         scheduler.step()
         for s in (copier, drafted):
-            seen[s.id].add(s.proposer)
+            seen[s.id].add(scheduler.last_plan.of(s)[0])
     assert "ngram" in seen[copier.id]
     assert "ngram" not in seen[drafted.id]
     assert copier.token_ids[len(PROMPT) :] == repeat(PROMPT, 60)
@@ -199,7 +201,7 @@ def test_num_draft_tokens_caps_the_lookup():
     sequence = scheduler.submit(GenerationRequest(None, prompt, 30, end_id=-1, num_draft_tokens=2))
     while scheduler.has_work:
         scheduler.step()
-        assert sequence.num_draft_tokens <= 2
+        assert scheduler.last_plan.of(sequence)[1] <= 2
 
 
 def test_zero_draft_tokens_turns_speculation_off(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specdec.loop.proposers import PROPOSERS
 from specdec.text.request import InvalidInput, parse_request, parse_requests, split_rows
 
 
@@ -13,7 +14,9 @@ def tokenize(text: str) -> list[int]:
 
 
 def parse(**inputs):
-    return parse_request(inputs, tokenize, max_context=16, max_draft_tokens=8, default_end_id=2)
+    return parse_request(
+        inputs, tokenize, max_context=16, max_draft_tokens=8, default_end_id=2, proposers=PROPOSERS
+    )
 
 
 def text(value: str | bytes) -> np.ndarray:

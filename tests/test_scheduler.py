@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from fakes import FakeEngines, fake_decode, oracle_continuation
+from specdec.loop.admission import QueueFull
+from specdec.loop.config import SchedulerConfig
 from specdec.loop.controller import Choice
-from specdec.loop.scheduler import QueueFull, SchedulerConfig, SpeculativeScheduler
+from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.text.request import GenerationRequest
 
 
@@ -149,10 +151,10 @@ def test_rows_with_their_own_k_are_not_booked_as_the_adaptive_cost():
     for i in range(2):
         scheduler.submit(request([i + 1], 30, num_draft_tokens=4, fixed_num_draft_tokens=True))
     run_all(scheduler)
-    assert scheduler.controller.iteration_cost == {}
+    assert scheduler.proposers["draft_model"].controller.iteration_cost == {}
     scheduler.submit(request([9], 30))  # adaptive: its iterations are measured
     run_all(scheduler)
-    assert scheduler.controller.iteration_cost
+    assert scheduler.proposers["draft_model"].controller.iteration_cost
 
 
 def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
@@ -174,7 +176,7 @@ def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
     clock[0] += 0.015  # the client's round trip: shorter than three steps
     scheduler.submit(request([2], 30))
     scheduler.step()
-    controller = scheduler.controller
+    controller = scheduler.proposers["draft_model"].controller
     booked = [s for s, _ in controller.iteration_cost.values()] + list(
         controller.probe_cost.values()
     )
@@ -196,7 +198,7 @@ def test_a_probe_scores_the_drafts_guesses_of_plain_tokens_without_a_verify(monk
     engines.target = recording_target
     config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
     scheduler = SpeculativeScheduler(engines, config, fake_decode)
-    controller = scheduler.controller
+    controller = scheduler.proposers["draft_model"].controller
     sequence = scheduler.submit(request([5, 6, 7], 40))
     monkeypatch.setattr(controller, "choose", lambda n, fixed: Choice(0, False, 0.0))
     for _ in range(20):

@@ -16,7 +16,7 @@ from specdec.engines.sampling import (
     probs_from_logits,
     sample_token,
 )
-from specdec.engines.wire import EngineBatch, EngineResult, lookback_lengths
+from specdec.engines.wire import EngineBatch, EngineResult, hindsight_lengths
 
 
 def rows_sampling(batch: EngineBatch, rows: np.ndarray, positions: np.ndarray) -> RowSampling:
@@ -46,7 +46,7 @@ def _empty_result(batch: EngineBatch, vocab_size: int) -> EngineResult:
     return EngineResult(
         token_ids=np.full((num_rows, width), -1, dtype=np.int64),
         probs=np.zeros((0, vocab_size), dtype=np.float32),
-        lookback_ids=np.zeros((num_rows, 0), dtype=np.int64),
+        hindsight_ids=np.zeros((num_rows, 0), dtype=np.int64),
     )
 
 
@@ -102,20 +102,22 @@ def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     generators = [torch.Generator().manual_seed(int(s)) for s in batch.seeds]
     sampled_probs: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
     cache_lengths = (batch.cache_lengths + batch.input_lengths).astype(np.int64)
-    lookback = lookback_lengths(batch.input_lengths, batch.temperature)
+    hindsight = hindsight_lengths(batch.input_lengths, batch.temperature)
     logits = engine.forward(
         torch.from_numpy(batch.input_ids.astype(np.int64)),
         batch.input_lengths.tolist(),
         batch.slot_ids.tolist(),
         batch.cache_lengths.tolist(),
-        (lookback + 1).tolist(),
-    )  # (sum(lookback + 1), V): the lookback positions, then each row's last position
-    ends = np.cumsum(lookback + 1)
-    if lookback.max(initial=0) > 0:
+        (hindsight + 1).tolist(),
+    )  # (sum(hindsight + 1), V): the hindsight positions, then each row's last position
+    ends = np.cumsum(hindsight + 1)
+    if hindsight.max(initial=0) > 0:
         guesses = logits.argmax(dim=-1).numpy()
-        result.lookback_ids = np.full((num_rows, int(lookback.max())), -1, dtype=np.int64)
-        for r in np.nonzero(lookback)[0]:
-            result.lookback_ids[r, : lookback[r]] = guesses[ends[r] - 1 - lookback[r] : ends[r] - 1]
+        result.hindsight_ids = np.full((num_rows, int(hindsight.max())), -1, dtype=np.int64)
+        for r in np.nonzero(hindsight)[0]:
+            result.hindsight_ids[r, : hindsight[r]] = guesses[
+                ends[r] - 1 - hindsight[r] : ends[r] - 1
+            ]
     rows = np.nonzero(batch.num_steps > 0)[0]
     logits = logits[torch.from_numpy(ends[rows] - 1)]  # (rows, V)
     for step in range(int(batch.num_steps.max(initial=0))):

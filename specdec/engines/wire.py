@@ -4,7 +4,7 @@ Both engine models take the same tensors and return the same tensors; only the w
 - draft:  append each row's new tokens to its slot, then propose `num_steps` tokens one at a
           time (all k steps inside one call: one Triton call per draft step would eat the gain).
           A greedy row that catches up (fed more than 2 tokens) also gets, for up to
-          LOOKBACK_TOKENS of them, the draft's argmax guess of each from the tokens before
+          HINDSIGHT_TOKENS of them, the draft's argmax guess of each from the tokens before
           it: how often it would have agreed with what plain decoding produced, without a
           verify.
 - target: append each row's new tokens (pending tokens + the draft's proposals) and return,
@@ -22,6 +22,7 @@ process is specdec/engines/in_process.py; over Triton, specdec/serving/engine_mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 import numpy as np
 
@@ -69,15 +70,17 @@ class EngineBatch:
 
 # The most fed tokens per row the draft guesses in hindsight: enough samples for the
 # acceptance estimate from one catch-up, while the reduced head over them stays cheap.
-LOOKBACK_TOKENS = 32
+HINDSIGHT_TOKENS = 32
 
 
-def lookback_lengths(input_lengths: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+def hindsight_lengths(input_lengths: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     """Guesses per row: only a greedy row's catch-up. A sampled row's tokens are draws, not
     the argmax; and a drafting row is fed 1 or 2 tokens, where 2 means its proposals all
     won and the one guess (of the bonus token) would favour easy text."""
     catching_up = (input_lengths > 2) & (temperature == 0)
-    return np.where(catching_up, np.minimum(input_lengths.astype(np.int64) - 1, LOOKBACK_TOKENS), 0)
+    return np.where(
+        catching_up, np.minimum(input_lengths.astype(np.int64) - 1, HINDSIGHT_TOKENS), 0
+    )
 
 
 OPTIONAL_BATCH_FIELDS = ("return_log_probs", "copy_src_slots", "copy_dst_slots", "copy_lengths")
@@ -89,8 +92,8 @@ class EngineResult:
     probs: np.ndarray  # (P, V) float32, sampled rows' distributions, rows in order
     # (B, L) int64, draft only: row r's first n entries (n: those >= 0) are its argmax
     # guesses of its last n fed tokens, in order, each from the tokens before it
-    # (n = lookback_lengths(...)[r]).
-    lookback_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    # (n = hindsight_lengths(...)[r]).
+    hindsight_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
     # (B, max num_steps) float32, target only: log-probability of token_ids[r, j] for greedy
     # rows with return_log_probs (0 elsewhere); (0, 0) when no row asked.
     log_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
@@ -102,9 +105,20 @@ class EngineResult:
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineResult:
         return cls(**{f.name: arrays[f.name] for f in fields(cls)})
 
-    def lookback(self, row: int) -> list[int]:
-        """Row's guesses of its last fed tokens (see lookback_ids)."""
-        if row >= self.lookback_ids.shape[0]:
+    def hindsight(self, row: int) -> list[int]:
+        """Row's guesses of its last fed tokens (see hindsight_ids)."""
+        if row >= self.hindsight_ids.shape[0]:
             return []
-        guesses = self.lookback_ids[row]
+        guesses = self.hindsight_ids[row]
         return guesses[guesses >= 0].tolist()
+
+
+class Engines(Protocol):
+    """The loop's two engine calls: the engine models over Triton
+    (specdec/serving/bls_model.py) or both engines in this process (in_process.py)."""
+
+    def draft(self, batch: EngineBatch) -> EngineResult: ...
+    def target(self, batch: EngineBatch) -> EngineResult: ...
+
+
+LOOKBACK_TOKENS = HINDSIGHT_TOKENS  # transitional: trt_engine.py still imports the old name

@@ -143,7 +143,7 @@ EARLY_PROBE_EVERY = 4
 # Probes may cost at most this share of plain decoding's time. A probe costs the draft
 # catching up on every token since its last call: at one stream on 2 CPU cores a probe
 # iteration took 56 ms against 37 ms for plain decoding (in-process), so one every 64
-# iterations would spend 0.8%. A probe brings up to LOOKBACK_TOKENS first-position verdicts
+# iterations would spend 0.8%. A probe brings up to HINDSIGHT_TOKENS first-position verdicts
 # (the draft's guesses of the tokens it missed), so rare probes still see plenty: at this
 # budget one in about 200 iterations at one stream.
 PROBE_BUDGET = 0.0025
@@ -166,12 +166,16 @@ class Choice:
 
 
 class AdaptiveController:
-    def __init__(self, max_k: int, probe_every: int = 64) -> None:
+    def __init__(
+        self, max_k: int, target_cost: CostCurve | None = None, probe_every: int = 64
+    ) -> None:
+        """`target_cost`: the target call's seconds by tokens verified, where the loop
+        measures it for every proposer (a curve of its own if None)."""
         self.max_k = max_k
         self.probe_every = probe_every
         self.acceptance = AcceptanceWindow(max_k)
         self.draft_step_cost = CostCurve()  # by number of draft rows
-        self.target_cost = CostCurve()  # by number of tokens verified
+        self.target_cost = CostCurve() if target_cost is None else target_cost
         # Whole iterations as they really cost, by (batch-size bucket, k): catch-up draft
         # calls, transfers and bookkeeping that the per-call curves do not see.
         self.iteration_cost: dict[tuple[int, int], tuple[float, int]] = {}
@@ -193,7 +197,7 @@ class AdaptiveController:
     def observe_verdict(self, k: int, num_accepted: int) -> None:
         self.acceptance.observe(k, num_accepted)
 
-    def observe_lookback(self, hits: int, total: int) -> None:
+    def observe_hindsight(self, hits: int, total: int) -> None:
         """The draft's hindsight guesses of `total` tokens greedy plain decoding produced,
         `hits` of them right: each is a first-position verdict that needed no verify."""
         self.acceptance.observe_first(hits, total)

@@ -24,18 +24,16 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec.engines.wire import EngineBatch, EngineResult
-from specdec.loop.scheduler import (
-    QueueFull,
-    SchedulerConfig,
-    Sequence,
-    SpeculativeScheduler,
-    Update,
-)
+from specdec.loop.admission import QueueFull
+from specdec.loop.config import SchedulerConfig
+from specdec.loop.proposers import PROPOSERS
+from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.loop.sequence import SequenceState, Update
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
 from specdec.serving.outbox import Outbox, Work
 from specdec.serving.responses import response_arrays
-from specdec.text.request import PROPOSERS, InvalidInput, parse_requests
+from specdec.text.request import InvalidInput, parse_requests
 from specdec.text.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -105,7 +103,7 @@ class Client:
     sender: object
     requested: set[str] | None  # output names the client asked for
     num_open: int  # sequences not yet finished: the last one's response is FINAL
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[SequenceState] = field(default_factory=list)
     sent_log_probs: dict[int, int] = field(default_factory=dict)  # sequence id -> count sent
     ended: bool = False
 
@@ -289,7 +287,7 @@ class TritonPythonModel:
                         self.metrics.finished("cancelled")
                 self._end(sequence, "request cancelled", pb_utils.TritonError.CANCELLED)
 
-    def _end(self, sequence: Sequence, message: str, code=None) -> None:
+    def _end(self, sequence: SequenceState, message: str, code=None) -> None:
         """Ends the sequence's request with an error (once), and with it its other sequences."""
         client = self.clients.pop(sequence.id, None)
         if client is None or client.ended:

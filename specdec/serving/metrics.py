@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import IterationStats
 from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS, OUTCOMES
 from specdec.serving.outbox import PendingMetrics
-from specdec.text.request import PROPOSERS
 
 
 class LoopMetrics:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # only for hints: clients import the output names without the loop
-    from specdec.loop.scheduler import Sequence
+    from specdec.loop.sequence import SequenceState
 
 PERF_OUTPUTS = (
     "kv_cache_alloc_new_blocks",
@@ -64,7 +64,7 @@ def _scalar(value, dtype) -> np.ndarray:
     return np.array([[value]], dtype=dtype)  # (1, 1): a batch of one, one value
 
 
-def response_text(sequence: Sequence, new_text: str) -> str:
+def response_text(sequence: SequenceState, new_text: str) -> str:
     """A non-streamed text starts with the prompt unless exclude_input_in_output; streamed
     chunks carry only new text."""
     request = sequence.request
@@ -73,7 +73,7 @@ def response_text(sequence: Sequence, new_text: str) -> str:
     return (request.prompt or "") + new_text
 
 
-def perf_arrays(sequence: Sequence) -> dict[str, np.ndarray]:
+def perf_arrays(sequence: SequenceState) -> dict[str, np.ndarray]:
     stats, times = sequence.stats, sequence.times
     total, reused = sequence.num_cache_positions, sequence.num_copied_positions
     return {
@@ -91,7 +91,7 @@ def perf_arrays(sequence: Sequence) -> dict[str, np.ndarray]:
 
 
 def response_arrays(
-    sequence: Sequence, new_text: str, first_log_prob: int, requested: set[str] | None = None
+    sequence: SequenceState, new_text: str, first_log_prob: int, requested: set[str] | None = None
 ) -> dict[str, np.ndarray]:
     """The output arrays of one response of `sequence`: `new_text` is what it adds, and
     output_log_probs holds the output tokens from `first_log_prob` on (those not yet sent).

@@ -20,10 +20,6 @@ class InvalidInput(ValueError):
         self.field = field_name
 
 
-# Where draft tokens come from: the draft model (a Triton model call) or prompt lookup in the
-# loop's own process (specdec/loop/ngram.py).
-PROPOSERS = ("draft_model", "ngram")
-
 # TensorRT-LLM inputs we accept only at their neutral value: name -> neutral value.
 NEUTRAL_INPUTS: dict[str, float] = {
     "repetition_penalty": 1.0,
@@ -120,14 +116,15 @@ def parse_request(
     max_context: int,
     max_draft_tokens: int,
     default_end_id: int,
-    proposers: tuple[str, ...] = PROPOSERS,
+    proposers: tuple[str, ...] = (),
     max_return_sequences: int = 64,
 ) -> GenerationRequest:
     """Builds a request from the input tensors of one prompt; raises InvalidInput naming
     the bad field.
 
     `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids;
-    `proposers` are the ones this server runs (a request may pick one of them).
+    `proposers` are the ones this server runs (specdec/loop/proposers/): a request may pick
+    one of them.
     """
     prompt = None
     if "input_ids" in inputs:

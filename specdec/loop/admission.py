@@ -1,0 +1,159 @@
+"""Admission: the waiting queue, the KV cache slots, and the prompt caches copied between them.
+
+Sequences join the running batch at step boundaries while slots are free and leave when
+done; the caches of both engines are addressed by the sequence's slot. The sequences that
+one prompt asks for (num_return_sequences) share its prompt cache: the first fills it, the
+others copy it into their slots at their first step instead of computing it again.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from specdec.loop.sequence import CacheCopy, SequenceState
+from specdec.text.detokenizer import Decode, IncrementalDetokenizer
+from specdec.text.request import GenerationRequest
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class Admission:
+    def __init__(
+        self, num_slots: int, max_queue: int, decode: Decode, clock: Callable[[], int]
+    ) -> None:
+        self.max_queue = max_queue
+        self.decode = decode
+        self.clock = clock  # for SequenceTimes
+        self.waiting: collections.deque[SequenceState] = collections.deque()
+        self.running: list[SequenceState] = []
+        # A heap: the lowest free slot first, so a batch's slots stay close together (the
+        # engine's batched attention reads the slot range it spans).
+        self.free_slots = list(range(num_slots))
+        self._ids = itertools.count()
+
+    # -- joining -------------------------------------------------------------------------
+    def submit_all(self, requests: list[GenerationRequest]) -> list[SequenceState]:
+        """Queues every sequence of one client request (each prompt's num_return_sequences,
+        in order), all or none."""
+        count = sum(r.num_return_sequences for r in requests)
+        # Requests that will get a free slot at the next step are not queued behind anyone.
+        if len(self.waiting) + count > self.max_queue + len(self.free_slots):
+            raise QueueFull(f"queue full ({self.max_queue} requests waiting for a slot)")
+        now = self.clock()
+        sequences = []
+        for request in requests:
+            parent = None
+            for index in range(request.num_return_sequences):
+                sequence = self._new_sequence(request, index, parent)
+                sequence.times.arrival_ns = now
+                parent = parent or sequence
+                sequences.append(sequence)
+        self.waiting.extend(sequences)
+        return sequences
+
+    def _new_sequence(
+        self, request: GenerationRequest, index: int, parent: SequenceState | None
+    ) -> SequenceState:
+        generator = torch.Generator()
+        if request.seed is None:
+            generator.seed()
+        else:  # the request's seed for its first sequence; the others get their own
+            generator.manual_seed((request.seed + index * 0x9E3779B97F4A7C15) % 2**63)
+        return SequenceState(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.decode, request.stop_words),
+            generator=generator,
+            id=next(self._ids),
+            token_ids=list(request.prompt_ids),
+            sequence_index=index,
+            parent=parent,
+        )
+
+    def admit(self) -> int:
+        """Moves waiting sequences into free slots; returns how many joined."""
+        admitted = 0
+        now = self.clock()
+        while self.waiting and self.free_slots:
+            sequence = self.waiting.popleft()
+            if sequence.cancelled:
+                continue
+            sequence.slot = heapq.heappop(self.free_slots)
+            sequence.times.first_scheduled_ns = now
+            parent = sequence.parent
+            # The parent's slot holds the prompt (once prefilled) for as long as it runs.
+            if parent is not None and parent.slot >= 0 and len(sequence.token_ids) > 1:
+                sequence.copy_source_slot = parent.slot
+            self.running.append(sequence)
+            admitted += 1
+        return admitted
+
+    @staticmethod
+    def ready(sequence: SequenceState) -> bool:
+        """False while the sequence waits for its parent's prefill to copy it."""
+        parent = sequence.parent
+        if sequence.copy_source_slot < 0 or parent is None or parent.stats.num_target_passes:
+            return True
+        if parent.slot < 0 or parent.cancelled:  # nothing to copy after all: prefill
+            sequence.copy_source_slot = -1
+            return True
+        return False
+
+    @staticmethod
+    def plan_copies(
+        batch: list[SequenceState], copy_draft: bool
+    ) -> tuple[list[CacheCopy], list[CacheCopy]]:
+        """(target copies, draft copies) for the rows that start from their parent's prompt
+        cache; sets their cache lengths to match. The draft's copy rides on this step's draft
+        call (`copy_draft`); without one the draft catches up."""
+        target_copies, draft_copies = [], []
+        for sequence in batch:
+            parent = sequence.parent
+            if sequence.copy_source_slot < 0 or parent is None:
+                continue
+            source = sequence.copy_source_slot
+            length = len(sequence.request.prompt_ids) - 1  # the last prompt token is fed
+            target_copies.append((source, sequence.slot, length))
+            sequence.target_cache_length = sequence.num_copied_positions = length
+            draft_length = min(parent.draft_cache_length, length)
+            if copy_draft and draft_length > 0:
+                draft_copies.append((source, sequence.slot, draft_length))
+                sequence.draft_cache_length = draft_length
+            sequence.copy_source_slot = -1
+        return target_copies, draft_copies
+
+    # -- leaving -------------------------------------------------------------------------
+    def release(self, sequence: SequenceState) -> None:
+        """Frees the sequence's slot (its caches' contents stay until the slot is reused)."""
+        if sequence.slot >= 0:
+            heapq.heappush(self.free_slots, sequence.slot)
+            sequence.slot = -1
+
+    def drop_cancelled(self) -> list[SequenceState]:
+        """Ends the cancelled running sequences and returns them; drops the cancelled waiting
+        ones (they never ran: the glue answers them)."""
+        cancelled = [s for s in self.running if s.cancelled]
+        for sequence in cancelled:
+            sequence.finish_reason = "cancelled"
+            self.release(sequence)
+        self.running = [s for s in self.running if not s.cancelled]
+        self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
+        return cancelled
+
+    def drop_finished(self) -> None:
+        self.running = [s for s in self.running if not s.finished]
+
+    def end_all(self, reason: str) -> list[SequenceState]:
+        """Ends every sequence, running or waiting; returns them."""
+        ended = list(self.running) + list(self.waiting)
+        for sequence in ended:
+            sequence.finish_reason = reason
+            self.release(sequence)
+        self.running, self.waiting = [], collections.deque()
+        return ended

@@ -1,0 +1,16 @@
+"""The proposers, by the name requests and the `proposers` parameter use.
+
+To add one: a module in this package with a `Proposer` subclass (base.py), and a line here.
+"""
+
+from __future__ import annotations
+
+from specdec.loop.proposers.base import Proposer
+from specdec.loop.proposers.draft_model import DraftModelProposer
+from specdec.loop.proposers.ngram import NgramProposer
+
+REGISTRY: dict[str, type[Proposer]] = {
+    DraftModelProposer.name: DraftModelProposer,
+    NgramProposer.name: NgramProposer,
+}
+PROPOSERS = tuple(REGISTRY)  # the default order of preference: a fixed k goes to the first

@@ -1,0 +1,123 @@
+"""One output sequence as the loop keeps it: its tokens, its cache slot and lengths, its counts.
+
+A request may carry several prompts and ask for several sequences of each
+(num_return_sequences): every one is a `SequenceState` of its own, a row of the batch while it
+runs. A proposer keeps its own per-row state (specdec/loop/proposers/); what is here is what
+every part of the loop reads: the tokens, the caches' valid lengths, the stop conditions'
+outcome and what the responses report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specdec.engines.wire import EngineBatch
+from specdec.text.detokenizer import IncrementalDetokenizer
+from specdec.text.request import GenerationRequest
+
+
+@dataclass
+class SequenceStats:
+    num_draft_tokens: int = 0  # proposed
+    num_accepted_draft_tokens: int = 0
+    num_target_passes: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        if not self.num_draft_tokens:
+            return 0.0
+        return self.num_accepted_draft_tokens / self.num_draft_tokens
+
+
+@dataclass
+class SequenceTimes:
+    """Unix time in ns (TensorRT-LLM's *_time_ns outputs); 0 until it happened."""
+
+    arrival_ns: int = 0  # submitted
+    first_scheduled_ns: int = 0  # got its slot
+    first_token_ns: int = 0  # its first output token was committed
+    last_token_ns: int = 0  # its latest output token was committed
+
+
+@dataclass(eq=False)  # one sequence is equal only to itself
+class SequenceState:
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator  # the row's own: rejection sampling and the draft's seeds
+    id: int = 0
+    slot: int = -1  # its KV cache slot in both engines; -1 while it waits
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    target_cache_length: int = 0  # valid positions in its target slot
+    draft_cache_length: int = 0  # valid positions in its draft slot
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    finish_reason: str | None = None  # "end", "length", "stop", "cancelled", "error"
+    cancelled: bool = False
+    sequence_index: int = 0  # which of its prompt's num_return_sequences
+    parent: SequenceState | None = None  # its prompt's first sequence: the prompt cache's source
+    copy_source_slot: int = -1  # >= 0: copy the prompt's cache from there at the first step
+    num_copied_positions: int = 0  # cache positions copied instead of computed
+    output_log_probs: list[float] = field(default_factory=list)  # one per output token
+    times: SequenceTimes = field(default_factory=SequenceTimes)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.request.prompt_ids)
+
+    @property
+    def num_cache_positions(self) -> int:
+        """Positions of its target slot it holds (copied ones included)."""
+        return max(self.target_cache_length, self.num_copied_positions)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Update:
+    """What one step did for one sequence: the glue turns it into a response."""
+
+    sequence: SequenceState
+    text: str  # new text ("" when the step added none that is complete)
+    finished: bool
+
+
+CacheCopy = tuple[int, int, int]  # (source slot, slot, positions): a prompt cache copied
+
+
+def engine_batch(
+    rows: list[SequenceState],
+    pending: list[list[int]],  # per row: the tokens to append to its slot
+    cache_lengths: list[int],  # per row: valid positions already in its slot
+    num_steps: list[int],  # per row: draft tokens to propose, or target positions to return
+    copies: list[CacheCopy] | tuple[()] = (),
+) -> EngineBatch:
+    """One engine call's tensors for these rows (specdec/engines/wire.py). Each row draws
+    the seed of its draft sampling from its own generator."""
+    requests = [s.request for s in rows]
+    copy_columns = np.array(copies, dtype=np.int32).reshape(-1, 3).T  # (3, C)
+    return EngineBatch(
+        input_ids=np.array([t for p in pending for t in p], dtype=np.int64),
+        input_lengths=np.array([len(p) for p in pending], dtype=np.int32),
+        slot_ids=np.array([s.slot for s in rows], dtype=np.int32),
+        cache_lengths=np.array(cache_lengths, dtype=np.int32),
+        num_steps=np.array(num_steps, dtype=np.int32),
+        temperature=np.array([r.temperature for r in requests], dtype=np.float32),
+        top_k=np.array([r.top_k for r in requests], dtype=np.int32),
+        top_p=np.array([r.top_p for r in requests], dtype=np.float32),
+        end_ids=np.array([r.end_id for r in requests], dtype=np.int32),
+        min_tokens_left=np.array(
+            [max(0, s.request.min_tokens - s.num_output_tokens) for s in rows],
+            dtype=np.int32,
+        ),
+        seeds=np.array(
+            [int(torch.randint(2**62, (), generator=s.generator)) for s in rows],
+            dtype=np.int64,
+        ),
+        copy_src_slots=copy_columns[0].copy(),
+        copy_dst_slots=copy_columns[1].copy(),
+        copy_lengths=copy_columns[2].copy(),
+    )
