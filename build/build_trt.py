@@ -24,8 +24,7 @@ from pathlib import Path
 from build.export_onnx import hf_directory
 from specdec.engines.select import DTYPES, engine_dtype
 from specdec.engines.trt_engine import default_plan_dir, ensure_plan, optimization_profiles
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from specdec.paths import PROJECT_ROOT
 
 
 @dataclass

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.engines.onnx_export import DTYPES, default_engine_dir, ensure_exported, is_current
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from specdec.paths import PROJECT_ROOT
 
 
 @dataclass

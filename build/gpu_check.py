@@ -7,7 +7,7 @@ Each step is recorded with its outcome; a failed step does not stop the next one
 1. environment: GPU, CUDA, torch and TensorRT versions;
 2. cpu: the reference, in this process: the torch engine on the CPU in float32 decodes each
    prompt greedily, one token at a time, and keeps each token's top-2 logit gap;
-3. cuda: the real Triton server (specdec.launch.ManagedServer) with the torch engine on CUDA;
+3. cuda: the real Triton server (specdec.harness.ManagedServer) with the torch engine on CUDA;
 4. tensorrt, where `tensorrt` imports: plans of both models in --dtype (build time), then
    the server with ENGINE=tensorrt.
 Steps 3 and 4 serve k = 0, k = 4 and adaptive to one stream, and k = 0 and adaptive to each
@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.engines.greedy_parity import TIE_MARGIN
+from specdec.paths import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODES = {"k0": 0, "k4": 4, "adaptive": None}  # num_draft_tokens; None = the server's choice
 
 
@@ -147,7 +147,7 @@ def parity(reference, texts: list[str], margin: float) -> dict:
 def serve(name: str, env: dict[str, str], config: GpuCheckConfig, prompts, reference) -> dict:
     """One server of its own: each run's tokens/s and parity; raises on a divergence
     outside the margin (after the runs, so the report has them all)."""
-    from specdec.launch import ManagedServer
+    from specdec.harness import ManagedServer
 
     base = {
         "TARGET_CHECKPOINT": str(config.target),

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.engines.checkpoint import assemble_draft, convert_gguf, default_gguf, truncate_layers
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from specdec.paths import PROJECT_ROOT
 
 
 @dataclass

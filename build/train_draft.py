@@ -39,10 +39,10 @@ from specdec.engines.in_process import LocalEngines
 from specdec.engines.llama import HEAD_TOKEN_IDS, LlamaEngine, load_hf_checkpoint
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.paths import PROJECT_ROOT
 from specdec.text.request import GenerationRequest
 from specdec.text.tokenizer import TextTokenizer
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DRAFT_WEIGHTS = "draft.safetensors"
 
 

@@ -1,7 +1,7 @@
 """The `triton` service's command: the image's tritonserver on the rendered repository.
 
 The repository is rendered from the environment exactly as `make serve` does
-(specdec/launch.py: TARGET_CHECKPOINT, DRAFT_CHECKPOINT, ENGINE, DEVICE, NUM_SLOTS, ...),
+(specdec/server_config.py: TARGET_CHECKPOINT, DRAFT_CHECKPOINT, ENGINE, DEVICE, NUM_SLOTS, ...),
 then /opt/tritonserver/bin/tritonserver serves it on all interfaces of the container
 (compose publishes the ports on 127.0.0.1 by default) with model control off and the
 repository, shared-memory, trace and logging APIs restricted to requests that carry the
@@ -17,7 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdec.launch import ServerConfig, render_repository, supervise
+from specdec.launch import supervise
+from specdec.server_config import ServerConfig, render_repository
 
 TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 RESTRICTED_APIS = "model-repository,shared-memory,trace,logging"

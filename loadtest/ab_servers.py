@@ -63,7 +63,7 @@ def measure(urls: dict, metrics: dict, args, config: BenchConfig) -> list[LevelR
 
 
 def run(args) -> dict:
-    from specdec.launch import ManagedServer
+    from specdec.harness import ManagedServer
 
     server_env, env_b = parse_env(args.server_env), parse_env(args.env_b)
     config = BenchConfig(

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from report import finish_axes, parse_env, percentile
 from specdec.client import GenerationResult, StreamingClient, generate, scrape_metrics
+from specdec.paths import PROJECT_ROOT
 from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # A mode's request inputs. k0-again is k = 0 under a second name: the noise floor.
 MODES: dict[str, dict] = {
     "k0": {"num_draft_tokens": 0},
@@ -451,7 +451,7 @@ def run_level(
 
 
 def run(config: BenchConfig) -> list[LevelResult]:
-    from specdec.launch import ManagedServer
+    from specdec.harness import ManagedServer
 
     servers = []
     if config.url is None:

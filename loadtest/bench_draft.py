@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from specdec.client import StreamingClient
-from specdec.launch import ManagedServer
+from specdec.harness import ManagedServer
+from specdec.paths import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODELS = PROJECT_ROOT / "models"
 
 

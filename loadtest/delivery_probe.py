@@ -49,8 +49,8 @@ from grpc_streams import StreamPool  # noqa: E402
 
 from report import percentile  # noqa: E402
 from specdec.client import build_inputs, requested_outputs, scrape_metrics  # noqa: E402
+from specdec.paths import PROJECT_ROOT  # noqa: E402
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = (
     "<|im_start|>user\nWrite a short story about a lighthouse keeper.<|im_end|>\n"
     "<|im_start|>assistant\n"
@@ -197,7 +197,7 @@ def main() -> None:
     args = parser.parse_args()
     server = None
     if args.url is None:
-        from specdec.launch import ManagedServer
+        from specdec.harness import ManagedServer
 
         server = ManagedServer("probe")
         args.url, args.metrics_url = server.url, server.metrics_url

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from specdec.engines.select import create_engine
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from specdec.paths import PROJECT_ROOT
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:

@@ -31,8 +31,8 @@ from bench import (
 )
 from report import parse_env
 from specdec.client import generate, scrape_metrics
+from specdec.paths import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROPOSER_NAMES = ("draft_model", "ngram")
 
 
@@ -117,7 +117,7 @@ def main() -> None:
     prompts = load_prompts(WORKLOADS[args.workload])[: args.num_prompts]
     server = None
     if args.url is None:
-        from specdec.launch import ManagedServer
+        from specdec.harness import ManagedServer
 
         env = parse_env(args.server_env)
         server = ManagedServer("profile-modes", env)

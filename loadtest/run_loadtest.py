@@ -36,8 +36,8 @@ from schedule import summarize_segments as summarize
 from bench import MODES as KNOWN_MODES
 from report import finish_axes, parse_env
 from specdec.client import scrape_metrics, wait_until_idle
+from specdec.paths import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = PROJECT_ROOT / "loadtest" / "locustfile.py"
 SMOKE_STAGES = [1, 2]
 
@@ -260,7 +260,7 @@ def run(config: LoadtestConfig) -> list[dict]:
     records_path.unlink(missing_ok=True)
     server = None
     if config.url is None:
-        from specdec.launch import ManagedServer
+        from specdec.harness import ManagedServer
 
         server = ManagedServer("loadtest", config.server_env)
     try:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from bench import PROJECT_ROOT, load_prompts
 from specdec.client import StreamingClient
-from specdec.launch import ManagedServer, tree_resident_bytes
+from specdec.harness import ManagedServer
+from specdec.processes import tree_resident_bytes
 
 REQUEST_MIX = [
     dict(),  # greedy, adaptive k

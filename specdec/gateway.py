@@ -41,7 +41,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.launch import PROJECT_ROOT, end_with_parent, is_ready
+from specdec.paths import PROJECT_ROOT
+from specdec.processes import end_with_parent, is_ready
 
 STREAM_TIMEOUT = "1h"  # a queued stream may wait minutes for its first byte
 HEALTH_PATH = "/v2/health/ready"

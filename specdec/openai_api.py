@@ -35,7 +35,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from specdec.client import build_inputs, requested_outputs
-from specdec.launch import PROJECT_ROOT
 from specdec.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ApiError,
@@ -50,6 +49,7 @@ from specdec.openai_protocol import (
     triton_params,
     validation_error,
 )
+from specdec.paths import PROJECT_ROOT
 from specdec.text.tokenizer import TextTokenizer, load_tokenizer
 
 T = TypeVar("T")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec.launch import PROJECT_ROOT, ManagedServer
+from specdec.harness import ManagedServer
+from specdec.paths import PROJECT_ROOT
 
 MODELS = PROJECT_ROOT / "models"
 TARGET = MODELS / "smollm2-135m-instruct"

@@ -18,7 +18,7 @@ import torch
 from specdec.client import generate
 from specdec.engines.greedy_parity import TIE_MARGIN, find_divergences, greedy_path
 from specdec.engines.llama import LlamaEngine
-from specdec.launch import ManagedServer
+from specdec.harness import ManagedServer
 from specdec.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.server

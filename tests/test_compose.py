@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdec.launch import PROJECT_ROOT, ServerConfig, render_repository
+from specdec.paths import PROJECT_ROOT
+from specdec.server_config import ServerConfig, render_repository
 
 COMPOSE = PROJECT_ROOT / "docker-compose.yml"
 IMAGE_ROOT = "/opt/specdec"  # where docker/Dockerfile puts the repository

@@ -15,7 +15,9 @@ import pytest
 
 from live import is_final, start_victim, wait_for
 from specdec.client import generate
-from specdec.launch import PROJECT_ROOT, ManagedServer, descendant_pids, process_alive
+from specdec.harness import ManagedServer
+from specdec.paths import PROJECT_ROOT
+from specdec.processes import descendant_pids, process_alive
 
 pytestmark = pytest.mark.server
 
@@ -96,7 +98,7 @@ def test_a_server_ends_when_the_process_that_started_it_is_killed(target_dir):
     # A benchmark killed outright (SIGKILL, an OOM kill) must not leave its server running:
     # a stray server takes the CPU from the next measurement.
     script = (
-        "from specdec.launch import ManagedServer\n"
+        "from specdec.harness import ManagedServer\n"
         "import time\n"
         f"server = ManagedServer('orphan-check', {SMALL!r})\n"
         "print(server.process.pid, flush=True)\n"

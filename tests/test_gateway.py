@@ -21,7 +21,9 @@ from tritonclient.utils import InferenceServerException
 from live import is_final, scrape, start_victim, wait_for
 from specdec.client import GenerationResult, generate
 from specdec.gateway import Gateway, GatewayConfig, Replica, haproxy_binary
-from specdec.launch import PROJECT_ROOT, ManagedServer, descendant_pids, free_port
+from specdec.harness import ManagedServer
+from specdec.paths import PROJECT_ROOT
+from specdec.processes import descendant_pids, free_port
 
 pytestmark = [
     pytest.mark.server,

@@ -67,7 +67,7 @@ def scripted_server(monkeypatch, texts_by_mode: dict[str, list[str]]) -> None:
         mode = {0: "k0", 4: "k4", None: "adaptive"}[k]
         return {"texts": texts_by_mode[mode], "output_tokens": 10, "tokens_per_s": 10.0}
 
-    monkeypatch.setattr("specdec.launch.ManagedServer", server)
+    monkeypatch.setattr("specdec.harness.ManagedServer", server)
     monkeypatch.setattr(gpu_check, "measure", measure)
 
 

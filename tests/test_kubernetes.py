@@ -28,7 +28,7 @@ from specdec.gateway import (
     haproxy_binary,
     render_kubernetes_config,
 )
-from specdec.launch import PROJECT_ROOT
+from specdec.paths import PROJECT_ROOT
 
 DEPLOY = PROJECT_ROOT / "deploy" / "kubernetes"
 VARIANTS = ("base", "overlays/cpu", "overlays/tensorrt")

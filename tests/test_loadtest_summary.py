@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from specdec.launch import PROJECT_ROOT
+from specdec.paths import PROJECT_ROOT
 
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
 from run_loadtest import add_ratios, noise_floor, table  # noqa: E402

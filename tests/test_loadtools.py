@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_openai_api import api  # noqa: F401 - the fixture: the API on the test server
 
-from specdec.launch import PROJECT_ROOT
+from specdec.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.server
 

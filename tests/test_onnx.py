@@ -22,7 +22,8 @@ from specdec.engines.onnx_export import (
     is_current,
     output_names,
 )
-from specdec.launch import PROJECT_ROOT, ManagedServer
+from specdec.harness import ManagedServer
+from specdec.paths import PROJECT_ROOT
 
 ENGINES_ROOT = PROJECT_ROOT / ".run" / "engines"
 MAX_ABS_DIFF = 1e-3  # fp32, the bound

@@ -18,7 +18,8 @@ import pytest
 
 from live import scrape, wait_for
 from specdec.client import generate
-from specdec.launch import PROJECT_ROOT, end_with_parent, free_port
+from specdec.paths import PROJECT_ROOT
+from specdec.processes import end_with_parent, free_port
 from specdec.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.server

@@ -10,7 +10,7 @@ import torch
 from conftest import DRAFT
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.select import create_engine, engine_dtype, resolve_dtype
-from specdec.launch import ENGINE_MODELS, ServerConfig, render_repository
+from specdec.server_config import ENGINE_MODELS, ServerConfig, render_repository
 
 CPU_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 CPU_WITH_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_tile amx_bf16 amx_int8\n"

@@ -46,7 +46,7 @@ from specdec.engines.trt_engine import (
     select_profile,
 )
 from specdec.engines.wire import LOOKBACK_TOKENS, EngineBatch
-from specdec.launch import PROJECT_ROOT
+from specdec.paths import PROJECT_ROOT
 
 ENGINES_ROOT = PROJECT_ROOT / ".run" / "engines"
 HAS_GPU = torch.cuda.is_available()

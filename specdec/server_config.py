@@ -1,0 +1,177 @@
+"""The Triton server's configuration from the environment, the model repository rendered with
+it, and the tritonserver command line (the 2.51 binary of PyPI's nvidia-pytriton, on the CPU).
+
+Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
+onnxruntime or tensorrt; specdec/engines/select.py), DEVICE (torch engine: cpu or cuda), DTYPE
+(the engines' precision: float32, bfloat16, float16 or auto; unset: the committed float32),
+DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
+.run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
+DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RESPONSE_THREAD (false:
+send each iteration's responses on a thread beside the loop; specdec/serving/outbox.py),
+RUN_DIR (.run). The
+repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
+configs stay usable as they are (docker compose mounts them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.paths import PROJECT_ROOT
+from specdec.processes import end_with_parent
+
+ENGINE_MODELS = ("draft_model", "target_model")
+BLS_MODELS = ("speculative_decoding",)
+# Environment variables that set config.pbtxt parameters (when set and not empty):
+# variable -> (parameter, the models that take it).
+ENV_PARAMETERS = {
+    "NUM_SLOTS": ("num_slots", ENGINE_MODELS + BLS_MODELS),
+    "MAX_CONTEXT": ("max_context", ENGINE_MODELS + BLS_MODELS),
+    "ENGINE": ("engine", ENGINE_MODELS),  # torch, onnxruntime, tensorrt
+    "DEVICE": ("device", ENGINE_MODELS),  # the torch engine's: cpu, cuda
+    "DTYPE": ("dtype", ENGINE_MODELS),  # float32, bfloat16, float16, auto
+    "DRAFT_ENGINE_DIR": ("engine_dir", ("draft_model",)),
+    "TARGET_ENGINE_DIR": ("engine_dir", ("target_model",)),
+    "TARGET_CHECKPOINT": ("checkpoint", ("target_model", "preprocessing") + BLS_MODELS),
+    "DRAFT_CHECKPOINT": ("checkpoint", ("draft_model",)),
+    "MAX_QUEUE": ("max_queue", BLS_MODELS),
+    "RESPONSE_THREAD": ("response_thread", BLS_MODELS),
+    "DEFAULT_NUM_DRAFT_TOKENS": ("default_num_draft_tokens", BLS_MODELS),
+}
+
+
+@dataclass
+class ServerConfig:
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    address: str = "127.0.0.1"
+    run_dir: Path = PROJECT_ROOT / ".run"
+    source_repository: Path = PROJECT_ROOT / "model_repository"
+    # config.pbtxt parameter overrides: model name -> {parameter: value}
+    parameters: dict[str, dict[str, str]] = field(default_factory=dict)
+    exit_timeout_s: int = 30
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ServerConfig:
+        env = dict(os.environ if env is None else env)
+        config = cls(
+            http_port=int(env.get("HTTP_PORT", 8000)),
+            grpc_port=int(env.get("GRPC_PORT", 8001)),
+            metrics_port=int(env.get("METRICS_PORT", 8002)),
+        )
+        if env.get("RUN_DIR"):
+            config.run_dir = Path(env["RUN_DIR"])
+        for var, (key, models) in ENV_PARAMETERS.items():
+            if env.get(var):
+                for model in models:
+                    config.parameters.setdefault(model, {})[key] = env[var]
+        if "PROPOSERS" in env:  # "" is a value: no speculation
+            config.parameters.setdefault("speculative_decoding", {})["proposers"] = env["PROPOSERS"]
+        return config
+
+
+def set_parameter(config_text: str, key: str, value: str) -> str:
+    """Replaces the string_value of parameter `key` in a config.pbtxt."""
+    pattern = re.compile(
+        r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*")[^"]*(")'
+    )
+    if not pattern.search(config_text):
+        raise KeyError(f"parameter {key!r} not in config")
+    return pattern.sub(lambda m: m.group(1) + value + m.group(2), config_text)
+
+
+def render_repository(config: ServerConfig) -> Path:
+    """Copies the model repository into run_dir with parameters applied and paths absolute."""
+    target = config.run_dir / "model_repository"
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(config.source_repository, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for config_file in target.glob("*/config.pbtxt"):
+        model = config_file.parent.name
+        text = config_file.read_text()
+        for key, value in config.parameters.get(model, {}).items():
+            text = set_parameter(text, key, value)
+        match = re.search(r'key:\s*"checkpoint"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+        if match and not Path(match.group(1)).is_absolute():
+            text = set_parameter(text, "checkpoint", str(PROJECT_ROOT / match.group(1)))
+        config_file.write_text(text)
+    return target
+
+
+def pytriton_dir() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).resolve().parent
+
+
+def prepare_backend(run_dir: Path) -> Path:
+    """A python backend folder with the stub for this interpreter (as the wheel needs)."""
+    server = pytriton_dir() / "tritonserver"
+    backend = run_dir / "backends" / "python"
+    backend.mkdir(parents=True, exist_ok=True)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    sources = [
+        server / "backends" / "python" / "libtriton_python.so",
+        server / "backends" / "python" / "triton_python_backend_utils.py",
+        server / "python_backend_stubs" / version / "triton_python_backend_stub",
+    ]
+    for source in sources:
+        # Copy, then rename over: a stub still running from an old server keeps its file.
+        partial = backend / (source.name + ".partial")
+        shutil.copy2(source, partial)
+        os.replace(partial, backend / source.name)
+    return backend.parent
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    libs = [str(pytriton_dir().parent / "nvidia_pytriton.libs")]
+    if sysconfig.get_config_var("LIBDIR"):
+        libs.append(sysconfig.get_config_var("LIBDIR"))
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(libs)
+    # The stub finds the venv's packages through PATH (PYTHONPATH alone did not work).
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("SPECDEC_HOME", str(PROJECT_ROOT))
+    return env
+
+
+def server_command(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
+    repository = render_repository(config)
+    backends = prepare_backend(config.run_dir)
+    binary = pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+    command = [
+        str(binary),
+        f"--model-repository={repository}",
+        f"--backend-directory={backends}",
+        f"--http-address={config.address}",
+        f"--http-port={config.http_port}",
+        f"--grpc-address={config.address}",
+        f"--grpc-port={config.grpc_port}",
+        f"--metrics-address={config.address}",
+        f"--metrics-port={config.metrics_port}",
+        "--allow-gpu-metrics=false",
+        "--allow-cpu-metrics=true",
+        "--model-control-mode=none",
+        f"--exit-timeout-secs={config.exit_timeout_s}",
+        "--log-verbose=0",
+    ]
+    return command, server_env()
+
+
+def start(config: ServerConfig, log_file=None) -> subprocess.Popen:
+    """tritonserver as a child process; it gets SIGTERM when this process dies."""
+    command, env = server_command(config)
+    return subprocess.Popen(
+        command, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=end_with_parent
+    )
