@@ -128,24 +128,20 @@ def expected_tokens(rates: list[float], k: int) -> float:
 
 
 ITERATION_EMA = 0.2
+# Where the constants below come from: docs/benchmarks.md, "The controller's constants".
 # k > 0 must promise 10% more goodput than k = 0 (25% where the per-call models price the
-# two), and 3% more than a smaller k > 0. Near break-even the estimate of alpha is noisy, and
-# every switch to drafting pays a catch-up: a 3% margin lost 3-5% to plain decoding at 4-64
-# streams with a draft accepted 30% of the time (make bench).
+# two), and 3% more than a smaller k > 0: near break-even the estimate of alpha is noisy,
+# and every switch to drafting pays a catch-up.
 SPECULATION_MARGIN = 1.10
 EXPLORE_MARGIN = 1.25
 LONGER_K_MARGIN = 1.03
-# First-position verdicts before the controller speculates at all, and probes space out.
-# On one (traced) start, a single accepted probe read as 67% acceptance and the loop drafted
-# for 20 iterations with a draft that is accepted 30% of the time.
+# First-position verdicts before the controller speculates at all, and probes space out:
+# one lucky probe must not read as high acceptance.
 EARLY_SAMPLES = 8
 EARLY_PROBE_EVERY = 4
 # Probes may cost at most this share of plain decoding's time. A probe costs the draft
-# catching up on every token since its last call: at one stream on 2 CPU cores a probe
-# iteration took 56 ms against 37 ms for plain decoding (in-process), so one every 64
-# iterations would spend 0.8%. A probe brings up to HINDSIGHT_TOKENS first-position verdicts
-# (the draft's guesses of the tokens it missed), so rare probes still see plenty: at this
-# budget one in about 200 iterations at one stream.
+# catching up on every token since its last call, and brings up to HINDSIGHT_TOKENS
+# first-position verdicts, so rare probes still see plenty.
 PROBE_BUDGET = 0.0025
 STALE_AFTER = 256  # iterations after which a measured iteration cost is guessed again
 
@@ -246,8 +242,7 @@ class AdaptiveController:
         for k in range(1, self.max_k + 1):
             # Like against like: two whole iterations as measured (they include the glue's
             # work between steps), or else two per-call models (which do not). A model
-            # against a measurement favoured whichever k had not been measured: at one
-            # stream it priced k = 1 at 40 ms against k = 0's measured 44 ms, and drafted.
+            # against a measurement favours whichever k has not been measured.
             measured = self._measured(k, batch_size)
             if measured is not None and plain_measured is not None:
                 cost, plain_cost, margin = measured, plain_measured, SPECULATION_MARGIN
@@ -258,8 +253,7 @@ class AdaptiveController:
                 # A guess, corrected by how far off the models were when this k and k = 0
                 # were last measured here (both or neither: one corrected side against a raw
                 # one is a model against a measurement again). Without it, every time the
-                # measurement went stale the same optimistic model tried again, and at 32
-                # streams each try cost a second (every row's draft catching up).
+                # measurement went stale the same optimistic model would try again.
                 bucket = batch_bucket(batch_size)
                 error = self.model_error.get((bucket, k))
                 plain_error = self.model_error.get((bucket, 0))
