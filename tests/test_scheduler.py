@@ -1,4 +1,4 @@
-"""The in-flight batching loop, with scripted engines and with the real ones in-process."""
+"""The in-flight batching loop with scripted engines (tests/fakes.py: real per-slot caches)."""
 
 from __future__ import annotations
 
