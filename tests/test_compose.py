@@ -198,7 +198,7 @@ def test_one_triton_service_per_gpu_and_one_gpu_by_default(compose):
 
 
 def test_gateway_balances_over_every_triton_service(compose):
-    from specdec.gateway import (
+    from specdec.gateway.config import (
         COMPOSE_SERVICES,
         check_config,
         haproxy_binary,

@@ -1,4 +1,4 @@
-"""Two real Triton replicas behind the real gateway (HAProxy, specdec/gateway.py).
+"""Two real Triton replicas behind the real gateway (HAProxy, specdec/gateway/).
 
 Streams through the gateway are exact and spread over both replicas (their own metrics say
 how many each finished); a replica that stops being ready leaves the rotation and comes
@@ -20,7 +20,8 @@ from tritonclient.utils import InferenceServerException
 
 from live import is_final, scrape, start_victim, wait_for
 from specdec.client import GenerationResult, generate
-from specdec.gateway import Gateway, GatewayConfig, Replica, haproxy_binary
+from specdec.gateway.config import GatewayConfig, Replica, haproxy_binary
+from specdec.gateway.serve import Gateway
 from specdec.harness import ManagedServer
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import descendant_pids, free_port

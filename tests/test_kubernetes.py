@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdec.gateway import (
+from specdec.gateway.config import (
     MAX_PODS,
     check_config,
-    drain,
     haproxy_binary,
     render_kubernetes_config,
 )
+from specdec.gateway.drain import drain
 from specdec.paths import PROJECT_ROOT
 
 DEPLOY = PROJECT_ROOT / "deploy" / "kubernetes"

@@ -1,0 +1,13 @@
+"""Several Triton replicas behind one L7 gRPC gateway: HAProxy, configured and run by us.
+
+    python -m specdec.gateway serve --replicas 2 --openai  # `make serve REPLICAS=2`
+    python -m specdec.gateway drain              # a Kubernetes preStop: settle, then idle
+    python -m specdec.gateway kubernetes-config  # deploy/kubernetes/base/gateway.yaml's
+    python -m specdec.gateway compose-config     # deploy/compose/haproxy.cfg
+
+- `config.py`: haproxy.cfg for local replicas, Kubernetes pods and compose services; its
+  docstring says why HAProxy and how it balances and checks;
+- `serve.py`: running it: HAProxy as a child process, the local replicas, `serve`;
+- `drain.py`: a replica's preStop;
+- `__main__.py`: the command line above.
+"""

@@ -1,0 +1,179 @@
+"""The gateway's configuration: haproxy.cfg for fixed replicas, for Kubernetes pods and for
+compose services, and HAProxy's own check of a file.
+
+A gRPC stream is one HTTP/2 stream, and one client connection carries many: a layer-4
+balancer (a Kubernetes Service) pins them all to one replica. HAProxy terminates HTTP/2 and
+picks a replica per stream. We use HAProxy, not nginx, because open-source nginx has no
+active health checks, and a replica must leave the rotation when its /v2/health/ready
+fails (a server loading its models or shutting down; Triton 2.51 stays ready with a dead
+stub, so the supervisor stops such a server) and come back when it passes again; HAProxy
+checks that endpoint itself (Debian packages it: `apt-get install haproxy`).
+- `balance leastconn` counts the streams each replica serves: a new stream goes to the
+  replica with the fewest in flight, so a replica whose KV slots are all taken (and whose
+  streams therefore last) gets fewer new ones.
+- Active check: GET /v2/health/ready on each replica's HTTP port every second; 2 failures
+  take it out, 2 passes put it back. Passive: a refused connection takes it out at once,
+  and the request is sent to another replica (`retries`, `option redispatch`).
+- Streams already on a replica that is taken out run on to their end; the streams of a
+  replica that dies end with an error at the client (HAProxy resets them), and so may a
+  request sent in the moment it dies (a stream cannot be sent twice).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.paths import PROJECT_ROOT
+
+STREAM_TIMEOUT = "1h"  # a queued stream may wait minutes for its first byte
+HEALTH_PATH = "/v2/health/ready"
+
+
+@dataclass
+class Replica:
+    name: str
+    host: str
+    grpc_port: int
+    http_port: int
+    metrics_port: int | None = None
+
+
+@dataclass
+class GatewayConfig:
+    replicas: list[Replica]
+    grpc_port: int = 8001
+    http_port: int = 8000
+    stats_port: int = 8404  # HAProxy's Prometheus exporter (/metrics), /stats, /healthz
+    address: str = "127.0.0.1"
+    check_interval_ms: int = 1000
+    fall: int = 2  # failed checks that take a replica out
+    rise: int = 2  # passed checks that put it back
+    run_dir: Path = field(default_factory=lambda: PROJECT_ROOT / ".run" / "gateway")
+
+
+def haproxy_binary() -> str | None:
+    """The haproxy executable (Debian puts it in /usr/sbin, not always on PATH)."""
+    return shutil.which("haproxy") or next(
+        (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.access(p, os.X_OK)),
+        None,
+    )
+
+
+def _common(bind: str, config: GatewayConfig) -> list[str]:
+    """global, defaults, the two frontends and the stats listener."""
+    return [
+        "global",
+        "    maxconn 4096",  # connections; each carries many streams
+        "",
+        "defaults",
+        "    mode http",
+        "    timeout connect 2s",
+        f"    timeout client {STREAM_TIMEOUT}",
+        f"    timeout server {STREAM_TIMEOUT}",
+        "    timeout check 2s",
+        "    retries 2",  # connection failures only: a request a replica got is never resent
+        "    option redispatch 1",  # every retry goes to another replica
+        "",
+        "frontend grpc",  # gRPC = HTTP/2 without TLS (h2c); each stream balanced on its own
+        f"    bind {bind}:{config.grpc_port} proto h2",
+        "    default_backend triton_grpc",
+        "",
+        "frontend http",  # KServe v2 HTTP/REST (health, metadata, non-streamed infer)
+        f"    bind {bind}:{config.http_port}",
+        "    default_backend triton_http",
+        "",
+        "frontend stats",
+        f"    bind {bind}:{config.stats_port}",
+        "    monitor-uri /healthz",  # 200 while at least one replica is in the rotation
+        "    monitor fail if { nbsrv(triton_grpc) lt 1 }",
+        "    http-request use-service prometheus-exporter if { path /metrics }",
+        "    stats enable",
+        "    stats uri /stats",
+        "    stats refresh 5s",
+        "",
+    ]
+
+
+def _backend(name: str, servers: list[str], check: GatewayConfig) -> list[str]:
+    return [
+        f"backend {name}",
+        "    balance leastconn",
+        "    option httpchk",
+        f"    http-check send meth GET uri {HEALTH_PATH}",
+        "    http-check expect status 200",
+        f"    default-server inter {check.check_interval_ms} fall {check.fall} rise {check.rise}"
+        " observe layer4 error-limit 1 on-error mark-down",
+        *[f"    {line}" for line in servers],
+        "",
+    ]
+
+
+def render_config(config: GatewayConfig) -> str:
+    """haproxy.cfg for fixed replicas (each checked on its own HTTP port)."""
+    grpc = [
+        f"server {r.name} {r.host}:{r.grpc_port} proto h2 check port {r.http_port} check-proto h1"
+        for r in config.replicas
+    ]
+    http = [f"server {r.name} {r.host}:{r.http_port} check" for r in config.replicas]
+    lines = _common(config.address, config)
+    lines += _backend("triton_grpc", grpc, config) + _backend("triton_http", http, config)
+    return "\n".join(lines)
+
+
+# Kubernetes: the replicas are the pods behind a headless Service; HAProxy resolves its name
+# and fills up to MAX_PODS server slots with the addresses it returns (a pod that is not
+# ready is not in the answer). deploy/kubernetes/base/gateway.yaml carries this text.
+MAX_PODS = 32
+HEADLESS_NAME = "specdec-triton.${POD_NAMESPACE}.svc.${CLUSTER_DOMAIN-cluster.local}"
+
+
+def render_kubernetes_config() -> str:
+    config = GatewayConfig(replicas=[])
+    lines = _common("*", config)
+    lines += [
+        "resolvers cluster",
+        "    parse-resolv-conf",
+        "    timeout resolve 1s",
+        "",
+    ]
+    dns = "resolvers cluster init-addr none"
+    grpc = [
+        f'server-template triton 1-{MAX_PODS} "{HEADLESS_NAME}:8001" {dns}'
+        " proto h2 check port 8000 check-proto h1"
+    ]
+    http = [f'server-template triton 1-{MAX_PODS} "{HEADLESS_NAME}:8000" {dns} check']
+    lines += _backend("triton_grpc", grpc, config) + _backend("triton_http", http, config)
+    return "\n".join(lines)
+
+
+# docker compose on a host with several GPUs: one Triton service per GPU, found by service
+# name through Docker's DNS (a service outside the active profiles stays out of rotation).
+# deploy/compose/haproxy.cfg is this text for COMPOSE_SERVICES.
+COMPOSE_SERVICES = ("triton", "triton-gpu1", "triton-gpu2", "triton-gpu3")
+
+
+def render_compose_config(services: tuple[str, ...] = COMPOSE_SERVICES) -> str:
+    config = GatewayConfig(replicas=[])
+    lines = _common("*", config)
+    lines += ["resolvers docker", "    nameserver dns 127.0.0.11:53", ""]
+    dns = "resolvers docker init-addr last,libc,none"
+    grpc = [f"server {s} {s}:8001 {dns} proto h2 check port 8000 check-proto h1" for s in services]
+    http = [f"server {s} {s}:8000 {dns} check" for s in services]
+    lines += _backend("triton_grpc", grpc, config) + _backend("triton_http", http, config)
+    return "\n".join(lines)
+
+
+def check_config(path: Path, env: dict[str, str] | None = None) -> None:
+    """haproxy -c: raises with HAProxy's own message when the file is not valid."""
+    binary = haproxy_binary()
+    if binary is None:
+        raise FileNotFoundError("haproxy not found: apt-get install haproxy")
+    result = subprocess.run(
+        [binary, "-c", "-q", "-f", str(path)], env=env, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise ValueError(f"{path}: {result.stdout}{result.stderr}")

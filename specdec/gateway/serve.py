@@ -1,0 +1,172 @@
+"""Running the gateway: HAProxy as a child process in front of fixed replicas (tests,
+`make serve REPLICAS=N`), and `serve`, which starts N supervised replicas behind it.
+
+Replicas' own ports: REPLICA_BASE_PORT (8100) + 10 i: HTTP, + 1 gRPC, + 2 metrics. With
+--openai the OpenAI-compatible API (specdec.openai_api) runs in front of the gateway.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from specdec.gateway.config import (
+    GatewayConfig,
+    Replica,
+    check_config,
+    haproxy_binary,
+    render_config,
+)
+from specdec.paths import PROJECT_ROOT
+from specdec.processes import end_with_parent, is_ready, port_open
+
+
+class Gateway:
+    """HAProxy in front of fixed replicas (tests, `make serve REPLICAS=N`); stop() ends it."""
+
+    def __init__(self, config: GatewayConfig, timeout: float = 30.0):
+        self.config = config
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = config.run_dir / "haproxy.cfg"
+        self.config_path.write_text(render_config(config))
+        check_config(self.config_path)
+        self.log_path = config.run_dir / "haproxy.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [haproxy_binary(), "-db", "-f", str(self.config_path)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=end_with_parent,
+        )
+        deadline = time.time() + timeout
+        while not all(port_open(p) for p in (config.grpc_port, config.stats_port)):
+            if self.process.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"haproxy did not start; see {self.log_path}")
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.config.grpc_port}"
+
+    def server_states(self, backend: str = "triton_grpc") -> dict[str, str]:
+        """Replica name -> HAProxy's status of it: UP, DOWN, 'UP 1/2' (rising), ..."""
+        url = f"http://127.0.0.1:{self.config.stats_port}/stats;csv"
+        text = urllib.request.urlopen(url, timeout=5).read().decode().lstrip("# ")
+        rows = csv.DictReader(io.StringIO(text))
+        return {
+            row["svname"]: row["status"]
+            for row in rows
+            if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")
+        }
+
+    def wait_for_state(self, replica: str, state: str, timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while (current := self.server_states().get(replica)) != state:
+            if time.time() > deadline:
+                raise TimeoutError(f"{replica} is {current}, not {state}, after {timeout} s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def replica_ports(index: int, base: int) -> Replica:
+    """Replica i of `make serve REPLICAS=N`: HTTP base + 10 i, gRPC + 1, metrics + 2."""
+    port = base + 10 * index
+    return Replica(f"replica{index}", "127.0.0.1", port + 1, port, port + 2)
+
+
+def start_replica(replica: Replica, env: dict[str, str], run_dir: Path) -> subprocess.Popen:
+    """A supervised server (as the container runs it): it exits 1 once it stops being ready,
+    and `serve` starts it again."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ports = {
+        "HTTP_PORT": str(replica.http_port),
+        "GRPC_PORT": str(replica.grpc_port),
+        "METRICS_PORT": str(replica.metrics_port),
+        "RUN_DIR": str(run_dir),
+    }
+    with open(run_dir / "server.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "specdec.launch", "--exit-when-unready"],
+            env={**env, **ports},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=end_with_parent,
+        )
+
+
+def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
+    """N replicas and the gateway on GRPC_PORT / HTTP_PORT until SIGINT or SIGTERM; a replica
+    that exits is started again (its streams ended with an error; the gateway skips it
+    meanwhile). openai: the OpenAI-compatible API too, calling the gateway."""
+    if haproxy_binary() is None:
+        print("haproxy not found: apt-get install haproxy", file=sys.stderr)
+        return 2
+    run_dir = Path(env.get("RUN_DIR", PROJECT_ROOT / ".run"))
+    base = int(env.get("REPLICA_BASE_PORT", 8100))
+    replicas = [replica_ports(i, base) for i in range(num_replicas)]
+    config = GatewayConfig(
+        replicas,
+        grpc_port=int(env.get("GRPC_PORT", 8001)),
+        http_port=int(env.get("HTTP_PORT", 8000)),
+        stats_port=int(env.get("GATEWAY_STATS_PORT", 8404)),
+        run_dir=run_dir / "gateway",
+    )
+    processes = {r.name: start_replica(r, env, run_dir / r.name) for r in replicas}
+    if openai:  # it reads GRPC_PORT and HTTP_PORT: the gateway's
+        command = [sys.executable, "-m", "specdec.openai_api"]
+        subprocess.Popen(command, env=env, preexec_fn=end_with_parent)
+    stopping: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: stopping.append(signum))
+    with Gateway(config) as gateway:
+        _print_layout(config, run_dir)
+        while not stopping:
+            time.sleep(1.0)
+            for replica in replicas:
+                code = processes[replica.name].poll()
+                if code is not None and not stopping:
+                    print(f"{replica.name} exited ({code}); starting it again", flush=True)
+                    processes[replica.name] = start_replica(replica, env, run_dir / replica.name)
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            process.wait()
+        gateway.stop()
+    return 0
+
+
+def _print_layout(config: GatewayConfig, run_dir: Path) -> None:
+    print(
+        f"gateway (HAProxy) on {config.address}: gRPC {config.grpc_port}, HTTP "
+        f"{config.http_port}, stats http://{config.address}:{config.stats_port}/stats",
+        flush=True,
+    )
+    for r in config.replicas:
+        ready = "ready" if is_ready(r.http_port) else "starting"
+        print(
+            f"  {r.name}: HTTP {r.http_port}, gRPC {r.grpc_port}, metrics {r.metrics_port} "
+            f"({ready}; log {run_dir / r.name / 'server.log'})",
+            flush=True,
+        )
