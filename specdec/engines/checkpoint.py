@@ -32,7 +32,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     kwargs = {"gguf_file": gguf_path.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    model.hf_quantizer = None  # weights are already dequantized: save them as plain tensors
+    # The weights are already dequantized: save them as plain tensors. (nn.Module types an
+    # attribute it does not declare as Tensor | Module; transformers reads this one as optional.)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ class ReducedHeadLlama(LlamaForCausalLM):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds=None,
         use_cache=None,
         logits_to_keep=0,
@@ -36,7 +36,7 @@ class ReducedHeadLlama(LlamaForCausalLM):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -49,7 +49,7 @@ class ReducedHeadLlama(LlamaForCausalLM):
             (*head_logits.shape[:2], self.config.vocab_size), float("-inf")
         )
         logits[..., self.head_token_ids] = head_logits
-        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(logits=logits, cache=out.cache)
 
 
 def load_hf_draft(path: str | Path) -> LlamaForCausalLM:

@@ -19,6 +19,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -152,6 +153,19 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RESCORED_LOGITS = 16
 
 
+class LayerWeights(TypedDict):
+    """One decoder layer: matrices in the compute dtype (q, k, v as one; gate, up as one),
+    norms in float32."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None  # None: the checkpoint has no q, k, v biases
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+
+
 @dataclass
 class BatchedAttention:
     """Rows that add the same number of tokens, attending in one call."""
@@ -239,7 +253,7 @@ class LlamaEngine:
         self.v_cache = zeroed_cache(shape, dtype, self.device)
         self.inv_freq = rope_inv_freq(c).to(self.device)
 
-    def _layer(self, weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+    def _layer(self, weights: dict[str, torch.Tensor], i: int) -> LayerWeights:
         """Layer i's matrices in the compute dtype (q, k, v as one; gate, up as one)."""
         p = f"model.layers.{i}."
 
@@ -323,6 +337,7 @@ class LlamaEngine:
         c = self.config
         group = c.num_heads // c.num_kv_heads
         first, last = min(slot_ids[r] for r in rows), max(slot_ids[r] for r in rows)
+        slots: slice | torch.Tensor
         if last - first + 1 <= 2 * len(rows):
             slots, span = slice(first, last + 1), last - first + 1
             place = {r: slot_ids[r] - first for r in rows}
@@ -330,7 +345,8 @@ class LlamaEngine:
             slots = torch.tensor([slot_ids[r] for r in rows], device=self.device)
             span, place = len(rows), {r: i for i, r in enumerate(rows)}
         keys = max(cache_lengths[r] + width for r in rows)
-        sources, dests = [], []
+        sources: list[int] = []
+        dests: list[int] = []
         allowed = torch.zeros(span, width, keys, dtype=torch.bool)
         allowed[:, :, 0] = True  # slots not in the call attend somewhere finite; never read
         for r in rows:

@@ -37,7 +37,9 @@ class PaddedCall:
     past_length: int  # P
 
 
-def group_rows(input_lengths: list[int], max_batched_query: int = MAX_BATCHED_QUERY):
+def group_rows(
+    input_lengths: list[int], max_batched_query: int = MAX_BATCHED_QUERY
+) -> list[list[int]]:
     """Short rows in one group, each long row alone: [[rows...], ...]."""
     short = [r for r, n in enumerate(input_lengths) if n <= max_batched_query]
     groups = [[r] for r, n in enumerate(input_lengths) if n > max_batched_query]
@@ -120,13 +122,14 @@ class GraphEngine:
                     f"({wanted} logits) does not fit max_length {self.max_length}"
                 )
         tokens = torch.split(input_ids.cpu(), input_lengths)
-        per_row: list[torch.Tensor | None] = [None] * len(input_lengths)
+        per_row: dict[int, torch.Tensor] = {}  # row -> its (num_logits[row], head) logits
         for rows in group_rows(input_lengths):
             call = pad_rows(rows, tokens, cache_lengths, num_logits)
             logits = self._call(call, [slot_ids[r] for r in rows], input_lengths, cache_lengths)
             for i, r in enumerate(rows):
                 per_row[r] = logits[i, : num_logits[r]]
-        return self._full_vocabulary(torch.cat(per_row).float().cpu())
+        ordered = [per_row[r] for r in range(len(input_lengths))]  # every row is in one call
+        return self._full_vocabulary(torch.cat(ordered).float().cpu())
 
     def _call(self, call: PaddedCall, slots, input_lengths, cache_lengths) -> torch.Tensor:
         """One graph call: gather the past, run, write the new keys and values back."""

@@ -26,7 +26,9 @@ import json
 import shutil
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -86,7 +88,7 @@ class DecoderGraph(nn.Module):
         self.lm_head = nn.Parameter(head, requires_grad=False)
         self.final_norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            _layer(w, f"model.layers.{i}.") for i in range(config.num_layers)
+            _Layer(w, f"model.layers.{i}.") for i in range(config.num_layers)
         )
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
@@ -98,8 +100,8 @@ class DecoderGraph(nn.Module):
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         allowed = _allowed_keys(attention_mask, new_tokens)  # (B, 1, 1, T, P + T)
         x = F.embedding(input_ids, self.embed)  # (B, T, H)
-        new_kv = []
-        for i, layer in enumerate(self.layers):
+        new_kv: list[torch.Tensor] = []
+        for i, layer in enumerate(cast(Iterable[_Layer], self.layers)):  # ModuleList is untyped
             h = _norm(x, layer.attn_norm, c.rms_norm_eps)
             q, k, v = _project_qkv(layer, h, c)  # (B, nh | kvh, T, hd)
             q = q * cos + rotate_half(q) * sin
@@ -120,23 +122,26 @@ class DecoderGraph(nn.Module):
         return (logits, *new_kv)
 
 
-def _layer(w: dict[str, torch.Tensor], p: str) -> nn.Module:
-    layer = nn.Module()
-    names = {
-        "qkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], 0),
-        "o": w[p + "self_attn.o_proj.weight"],
-        "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0),
-        "down": w[p + "mlp.down_proj.weight"],
-        "attn_norm": w[p + "input_layernorm.weight"],
-        "mlp_norm": w[p + "post_attention_layernorm.weight"],
-    }
-    if p + "self_attn.q_proj.bias" in w:  # Qwen2
-        names["qkv_bias"] = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0)
-    for name, tensor in names.items():
-        setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
-    if not hasattr(layer, "qkv_bias"):
-        layer.qkv_bias = None
-    return layer
+class _Layer(nn.Module):
+    """Decoder layer `p`'s weights, frozen: q, k, v as one matrix, gate and up as one."""
+
+    def __init__(self, w: dict[str, torch.Tensor], p: str) -> None:
+        super().__init__()
+
+        def frozen(*names: str) -> nn.Parameter:
+            tensors = [w[p + name] for name in names]
+            joined = torch.cat(tensors, 0) if len(tensors) > 1 else tensors[0]
+            return nn.Parameter(joined, requires_grad=False)
+
+        self.qkv = frozen(*(f"self_attn.{n}_proj.weight" for n in "qkv"))
+        self.o = frozen("self_attn.o_proj.weight")
+        self.gate_up = frozen("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        self.down = frozen("mlp.down_proj.weight")
+        self.attn_norm = frozen("input_layernorm.weight")
+        self.mlp_norm = frozen("post_attention_layernorm.weight")
+        self.qkv_bias: nn.Parameter | None = None
+        if p + "self_attn.q_proj.bias" in w:  # Qwen2
+            self.qkv_bias = frozen(*(f"self_attn.{n}_proj.bias" for n in "qkv"))
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,7 +149,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x.float(), weight.float(), eps).to(x.dtype)
 
 
-def _project_qkv(layer: nn.Module, h: torch.Tensor, c: LlamaConfig):
+def _project_qkv(layer: _Layer, h: torch.Tensor, c: LlamaConfig):
     batch, new_tokens, _ = h.shape
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # (B, T, q + 2 kv)
