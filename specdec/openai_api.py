@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +104,8 @@ class Backend:
         print(f"openai_api: serving {self.model_name} from {self.config.triton_url}", flush=True)
 
     async def ready(self) -> bool:
+        if self.client is None:  # not started
+            return False
         try:
             return await self.client.is_model_ready(self.config.bls_model)
         except Exception:  # not listening yet: InferenceServerException
@@ -147,9 +149,10 @@ class Generation:
 
         # The request iterator ends after one request (half-close); Triton still sends every
         # response, then ends the stream.
+        assert backend.client is not None  # started by the app's lifespan
         self.call = backend.client.stream_infer(one_request())
 
-    async def results(self) -> AsyncIterator:
+    async def results(self) -> AsyncGenerator[grpcaio.InferResult, None]:
         """The BLS's responses; an error ends them as an ApiError. Leaving early (a client
         gone, an error) cancels the stream."""
         try:
@@ -163,7 +166,7 @@ class Generation:
         finally:
             self.call.cancel()  # no-op once the stream has ended
 
-    def apply(self, result) -> tuple[Choice, str]:
+    def apply(self, result: grpcaio.InferResult) -> tuple[Choice, str]:
         """Adds one response to its choice; returns the choice and the text it may send."""
         batch_index = int(result.as_numpy("batch_index")[0][0])
         sequence_index = int(result.as_numpy("sequence_index")[0][0])
@@ -182,7 +185,11 @@ class Generation:
             choice.finish()
         return self.builder.whole(self.choices, self.max_tokens, self.max_context)
 
-    async def events(self, results: AsyncIterator, first) -> AsyncIterator[str]:
+    async def events(
+        self,
+        results: AsyncGenerator[grpcaio.InferResult, None],
+        first: grpcaio.InferResult | None,
+    ) -> AsyncGenerator[str, None]:
         """Server-sent events from the first response on: text chunks as they come, each
         choice's finish_reason once the stream has ended, usage if asked, then [DONE]."""
         try:
@@ -211,6 +218,7 @@ def _prompts_and_limit(
     if isinstance(body, ChatCompletionRequest):
         messages = [message.as_template_input() for message in body.messages]
         limit = body.max_completion_tokens or body.max_tokens or backend.max_context
+        assert backend.tokenizer is not None  # started by the app's lifespan
         return [backend.tokenizer.apply_chat_template(messages)], limit
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     return prompts, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
@@ -257,11 +265,15 @@ class _ClosingStream(StreamingResponse):
     """Closes its generator however the response ends: a disconnect that lands while it waits
     on a send would otherwise leave the stream open until garbage collection."""
 
+    def __init__(self, content: AsyncGenerator[str, None], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._content = content  # body_iterator, typed as a generator
+
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._content.aclose()
 
 
 def create_app(config: ApiConfig) -> FastAPI:

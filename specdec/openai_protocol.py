@@ -128,9 +128,9 @@ def max_tokens_field(body: _Sampling) -> str:
     return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
 
-def triton_params(body: _Sampling, max_tokens: int) -> dict:
+def triton_params(body: _Sampling, max_tokens: int) -> dict[str, int | float | list[str]]:
     """The BLS's inputs (specdec.client.build_inputs) for one OpenAI request."""
-    params = {
+    params: dict[str, int | float | list[str] | None] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,

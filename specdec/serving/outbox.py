@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 Work = Callable[[], None]
 
@@ -46,7 +47,7 @@ class Outbox:
         self._queue: queue.Queue[list[Work] | None] = queue.Queue(maxsize=max_pending)
         self._inline = not threaded  # close() turns a threaded outbox inline
         self._state = threading.Lock()  # no batch may be queued behind close()'s sentinel
-        self._thread = None
+        self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
@@ -72,6 +73,7 @@ class Outbox:
                 return
             self._inline = True
             self._queue.put(None)
+        assert self._thread is not None  # not inline: threaded
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -94,6 +96,18 @@ class Outbox:
         self.busy_seconds += time.perf_counter() - started
 
 
+class Counter(Protocol):
+    def increment(self, value: float) -> None: ...
+
+
+class Gauge(Protocol):
+    def set(self, value: float) -> None: ...
+
+
+class Histogram(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
 class PendingMetrics:
     """Metric updates gathered between flushes: counter increments summed, gauges' last
     values, histogram observations in order. flush() applies them to the metric objects
@@ -102,20 +116,21 @@ class PendingMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the loop and execute() both record
         # Keyed by id(): the metric objects need not be hashable.
-        self._increments: dict[int, list] = {}  # id -> [metric, sum]
-        self._values: dict[int, tuple[object, float]] = {}  # id -> (metric, last value)
-        self._observations: list[tuple[object, float]] = []
+        self._increments: dict[int, tuple[Counter, float]] = {}  # id -> (metric, sum)
+        self._values: dict[int, tuple[Gauge, float]] = {}  # id -> (metric, last value)
+        self._observations: list[tuple[Histogram, float]] = []
 
-    def increment(self, metric: object, value: float) -> None:
+    def increment(self, metric: Counter, value: float) -> None:
         if value:
             with self._lock:
-                self._increments.setdefault(id(metric), [metric, 0.0])[1] += value
+                _, total = self._increments.get(id(metric), (metric, 0.0))
+                self._increments[id(metric)] = (metric, total + value)
 
-    def set(self, metric: object, value: float) -> None:
+    def set(self, metric: Gauge, value: float) -> None:
         with self._lock:
             self._values[id(metric)] = (metric, value)
 
-    def observe(self, metric: object, value: float) -> None:
+    def observe(self, metric: Histogram, value: float) -> None:
         with self._lock:
             self._observations.append((metric, value))
 
@@ -124,9 +139,9 @@ class PendingMetrics:
             increments, self._increments = self._increments, {}
             values, self._values = self._values, {}
             observations, self._observations = self._observations, []
-        for metric, value in increments.values():
-            metric.increment(value)
-        for metric, value in values.values():
-            metric.set(value)
-        for metric, value in observations:
-            metric.observe(value)
+        for counter, total in increments.values():
+            counter.increment(total)
+        for gauge, value in values.values():
+            gauge.set(value)
+        for histogram, observed in observations:
+            histogram.observe(observed)

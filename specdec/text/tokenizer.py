@@ -18,16 +18,20 @@ class TextTokenizer:
         return self._tokenizer(text)["input_ids"]
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
 
     def apply_chat_template(self, conversation: str | list[dict[str, str]]) -> str:
         """The model's prompt for one user message, or for a list of {"role", "content"}
         messages; ends with the assistant's turn opened."""
         if isinstance(conversation, str):
             conversation = [{"role": "user", "content": conversation}]
-        return self._tokenizer.apply_chat_template(
+        prompt = self._tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=True
         )
+        assert isinstance(prompt, str)  # tokenize=False: the text, not its ids
+        return prompt
 
 
 @lru_cache(maxsize=4)
