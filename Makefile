@@ -68,14 +68,17 @@ engines: models
 
 test: models haproxy
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -ra
 
 test-unit: venv
 	$(PY) -m pytest -ra -m "not server"
 
+# mypy: the settings and the files (specdec/) are pyproject.toml's [tool.mypy].
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 format: venv
 	$(PY) -m ruff format .
