@@ -244,12 +244,14 @@ class AdaptiveController:
             # work between steps), or else two per-call models (which do not). A model
             # against a measurement favours whichever k has not been measured.
             measured = self._measured(k, batch_size)
+            cost: float
             if measured is not None and plain_measured is not None:
                 cost, plain_cost, margin = measured, plain_measured, SPECULATION_MARGIN
             else:
-                cost = self._modelled_cost(k, num_adaptive, fixed_ks)
-                if cost is None:  # the draft's cost never measured: try it once
+                modelled = self._modelled_cost(k, num_adaptive, fixed_ks)
+                if modelled is None:  # the draft's cost never measured: try it once
                     return Choice(k, False, 0.0)
+                cost = modelled
                 # A guess, corrected by how far off the models were when this k and k = 0
                 # were last measured here (both or neither: one corrected side against a raw
                 # one is a model against a measurement again). Without it, every time the

@@ -19,6 +19,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -95,12 +96,24 @@ def parse_proposers(value: str) -> tuple[str, ...]:
     return names
 
 
+class TritonRequest(Protocol):
+    """What the loop asks of a pb_utils.InferenceRequest once it is queued."""
+
+    def is_cancelled(self) -> bool: ...
+
+
+class ResponseSender(Protocol):
+    """A request's pb_utils response sender."""
+
+    def send(self, response: object = None, flags: int = 0) -> None: ...
+
+
 @dataclass
 class Client:
     """One Triton request: its sender, and the sequences that answer on it."""
 
-    request: object
-    sender: object
+    request: TritonRequest
+    sender: ResponseSender
     requested: set[str] | None  # output names the client asked for
     num_open: int  # sequences not yet finished: the last one's response is FINAL
     sequences: list[SequenceState] = field(default_factory=list)
@@ -233,8 +246,9 @@ class TritonPythonModel:
                 # Metrics first: a client that scrapes right after its final response sees
                 # its request counted and its slot free.
                 for update in updates:
-                    if update.finished:
-                        self.metrics.finished(update.sequence.finish_reason)
+                    reason = update.sequence.finish_reason
+                    if reason is not None:
+                        self.metrics.finished(reason)
                 if self.scheduler.last_iteration is not None:
                     self.metrics.record_iteration(self.scheduler.last_iteration)
                 self.metrics.update_occupancy(

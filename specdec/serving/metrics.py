@@ -19,7 +19,7 @@ class LoopMetrics:
     def __init__(self, model: str, max_k: int, num_slots: int) -> None:
         labels = {"model": model}
         self.pending = PendingMetrics()
-        self.families = []  # a family must outlive its metrics
+        self.families: list[object] = []  # a family must outlive its metrics
 
         def family(name, description, kind):
             created = pb_utils.MetricFamily(name=name, description=description, kind=kind)
