@@ -17,6 +17,12 @@ emitted-token counter over the windows' steady part. Per level and mode it also 
 p50/p99 request latency, time to first token and inter-chunk latency, and the acceptance
 rate. Writes results/<name>.json, .csv and .png and prints tokens/s ratios against k = 0.
 Without --url it starts its own server.
+
+Then, if asked, k = 0 on a second server that differs in settings, against this server's
+k = 0 at one concurrency, in rounds of mirrored windows (see SecondServer):
+`--float32-concurrency 32` (what `make bench` runs: the second server in float32), or
+`--env-b NAME=VALUE --b-concurrency 32 --b-rounds 2` for any setting (`--concurrency ''`
+to measure only that; `--url-b` to point it at a running server).
 """
 
 from __future__ import annotations
@@ -28,30 +34,54 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from report import finish_axes, parse_env, percentile
-from specdec.client import GenerationResult, StreamingClient, generate, scrape_metrics
+from common import (
+    MODES,
+    TIMED_PARTS,
+    WORKLOADS,
+    deltas,
+    finish_axes,
+    load_prompts,
+    mirrored_order,
+    parse_env,
+    per_iteration,
+    percentile,
+    server_counters,
+    unknown_modes,
+)
+from specdec.client import GenerationResult, StreamingClient, generate
 from specdec.paths import PROJECT_ROOT
-from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS
 
-# A mode's request inputs. k0-again is k = 0 under a second name: the noise floor.
-MODES: dict[str, dict] = {
-    "k0": {"num_draft_tokens": 0},
-    "k2": {"num_draft_tokens": 2, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
-    "k4": {"num_draft_tokens": 4, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
-    "k8": {"num_draft_tokens": 8, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
-    "draft": {"proposer": "draft_model"},
-    "ngram": {"proposer": "ngram"},
-    "adaptive": {},
-    "k0-again": {"num_draft_tokens": 0},
-    "k0-float32": {"num_draft_tokens": 0},  # k = 0 on the float32 server (--float32-concurrency)
-}
-WORKLOADS = {
-    "chat": PROJECT_ROOT / "loadtest" / "prompts.jsonl",
-    "grounded": PROJECT_ROOT / "loadtest" / "prompts_grounded.jsonl",
-}
+
+@dataclass
+class SecondServer:
+    """k = 0 on a second server, which differs from the first in `env`, against the first
+    server's k = 0 at `concurrency` streams: `rounds` rounds, each giving both servers two
+    windows in mirrored order (A B B A, then B A A B), as the modes get at a level."""
+
+    env: dict[str, str]  # on top of --server-env
+    concurrency: int
+    rounds: int = 1
+    mode: str = "k0-b"  # its k = 0's name in the outputs
+    workload: str = "env-b"  # what its levels' workload field says
+    label: str = "this server against the --env-b one"  # the printed ratio's
+    url: str | None = None  # a running server (with metrics_url); None: one of bench's own
+    metrics_url: str | None = None
+
+
+def float32_server(concurrency: int) -> SecondServer:
+    """`make bench`'s precision comparison (--float32-concurrency): the second server in
+    float32."""
+    return SecondServer(
+        {"DTYPE": "float32"},
+        concurrency,
+        mode="k0-float32",
+        workload="dtype",
+        label="this server's dtype against float32",
+    )
 
 
 @dataclass
@@ -67,9 +97,18 @@ class BenchConfig:
     out_dir: Path = PROJECT_ROOT / "results"
     name: str = "bench"
     server_env: dict[str, str] = field(default_factory=dict)
-    # Also k = 0 at this many streams on a second server of its own in float32, in windows
-    # alternating with the first server's k = 0 (0: not measured).
-    float32_concurrency: int = 0
+    second: SecondServer | None = None  # then k = 0 against a second server (None: not)
+
+    def validate(self) -> None:
+        unknown = unknown_modes(self.modes)
+        if unknown:
+            raise ValueError(f"--modes: unknown {', '.join(unknown)}; of {', '.join(MODES)}")
+        if [w for w in self.workloads if w not in WORKLOADS]:
+            raise ValueError(f"--workloads: of {', '.join(WORKLOADS)}")
+        if not (self.modes and self.concurrency) and self.second is None:
+            raise ValueError("nothing to measure: no modes or levels, and no second server")
+        if self.second is not None and min(self.second.concurrency, self.second.rounds) < 1:
+            raise ValueError("the second server: at least one stream and one round")
 
 
 @dataclass
@@ -102,51 +141,6 @@ class LevelResult:
     outbox_ms_per_iteration: float = 0.0  # sending, metric updates (inline: within respond)
 
 
-def load_prompts(path: Path) -> list[str]:
-    """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines."""
-    from specdec.text.tokenizer import TextTokenizer
-
-    tokenizer = TextTokenizer(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
-
-
-# The loop's parts, and the outbox's time (inline: within respond; threaded: beside the loop).
-TIMED_PARTS = (*LOOP_PARTS, "outbox")
-
-
-def server_counters(metrics_url: str | None) -> dict[str, float]:
-    """The server's emitted tokens, iterations and loop seconds by part; {} without metrics."""
-    return {} if metrics_url is None else loop_counters(scrape_metrics(metrics_url))
-
-
-def loop_counters(values: dict[str, float]) -> dict[str, float]:
-    """Emitted tokens, iterations and loop seconds by part, from a scrape_metrics result."""
-    counters = {
-        "tokens": values.get("specdec_emitted_tokens_total", 0.0),
-        "iterations": values.get("specdec_iterations_total", 0.0),
-    }
-    for part in LOOP_PARTS:
-        counters[part] = values.get(f'specdec_loop_seconds_total{{part="{part}"}}', 0.0)
-    counters["outbox"] = values.get(OUTBOX_SECONDS, 0.0)
-    return counters
-
-
-def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """after - before, by name: what loop_counters counted between two readings."""
-    return {name: after[name] - before[name] for name in after}
-
-
-def per_iteration(counted: dict[str, float]) -> dict[str, float]:
-    """Tokens per iteration and ms per iteration by loop part, from loop_counters' deltas."""
-    iterations = counted["iterations"]
-    report = {"tokens_per_iteration": counted["tokens"] / iterations if iterations else 0.0}
-    for part in TIMED_PARTS:
-        ms = 1000 * counted[part] / iterations if iterations else 0.0
-        report[f"{part}_ms_per_iteration"] = ms
-    return report
-
-
 @dataclass
 class Request:
     """One request of a window, and what came back."""
@@ -156,8 +150,9 @@ class Request:
 
 
 @dataclass
-class Window:
-    """One mode's stretch of steady load, and the server's count of tokens emitted in it."""
+class MeasuredWindow:
+    """One mode's stretch of steady load, and the server's count of tokens emitted in it
+    (schedule.PlannedWindow is `make loadtest`'s: a planned stretch, measured afterwards)."""
 
     index: int
     mode: str
@@ -177,10 +172,9 @@ class StaggeredLoad:
     ins' prefills are behind) and lasts `seconds`; then no new request leaves, and the window
     ends when the requests under way have finished, so that no request shares a batch with
     another mode's (they run on, at falling concurrency: their latencies are a little low).
-    Earlier versions started every stream at once and counted from there: the window opened
-    with one prefill of every prompt (a time to first token no user sees in steady traffic),
-    and where it closed in the requests' common cycle moved a mode's figure (k = 0 against
-    itself at 64 streams: 0.88x, against 0.98x staggered; one run each)."""
+    Staggered, because streams started at once open every window with a prefill of every
+    prompt, which steady traffic never sees (the measurements: docs/benchmarks.md, the
+    method)."""
 
     def __init__(
         self,
@@ -189,14 +183,11 @@ class StaggeredLoad:
         prompts: list[str],
         config: BenchConfig,
         metrics_url: str | None = None,
-        modes: dict[str, dict] = MODES,
     ):
-        """modes: the request parameters of each mode name its windows may run."""
         self.url, self.concurrency, self.prompts, self.config = url, concurrency, prompts, config
         self.metrics_url = metrics_url
-        self.modes = modes
         self.requests: list[Request] = []  # lead-ins left out
-        self.windows: list[Window] = []
+        self.windows: list[MeasuredWindow] = []
         self.mode: str | None = None  # None: between windows, no request leaves
         self.busy = [False] * concurrency  # a request under way
         self.first_token = [False] * concurrency  # the stream has had a token this window
@@ -214,12 +205,10 @@ class StaggeredLoad:
             self.first_token[index] = True
 
         # Each mode walks the same prompt sequence from its start (stream i: prompts i, i + c,
-        # i + 2c, ...), so the modes are compared on the same prompts. A count shared by the
-        # modes gave each mode other prompts: at one stream a 30 s window holds three or four
-        # requests, and on the grounded prompts (some copy their whole input, some little)
-        # prompt lookup alone read 3.42x and adaptive 2.07x in one run, while the same four
-        # prompts through both gave 44.2 / 37.3 and 38.6 / 42.5 tok/s.
-        sent = collections.Counter()  # mode -> requests this stream sent in it
+        # i + 2c, ...), so that the modes are compared on the same prompts: a window holds few
+        # requests, and prompts differ a lot (what a shared count did: docs/benchmarks.md,
+        # "The modes did not see the same prompts").
+        sent: collections.Counter[str] = collections.Counter()  # mode -> requests sent in it
         with StreamingClient(self.url, self.config.model) as client:
             window_seen = -1
             while True:
@@ -244,20 +233,20 @@ class StaggeredLoad:
                     self.prompts[prompt],
                     max_tokens=max_tokens,
                     stream=True,
-                    **self.modes[mode],
+                    **MODES[mode],
                     return_perf_metrics=True,
                     return_num_output_tokens=True,
                     exclude_input_in_output=True,
                     on_chunk=on_chunk,
                 )
 
-    def _wait(self, condition) -> None:
+    def _wait(self, condition: Callable[[], bool]) -> None:
         with self.changed:
             while not self.changed.wait_for(condition, timeout=0.05):
                 if not all(thread.is_alive() for thread in self.threads):
                     raise RuntimeError("a load stream died (the server stopped answering?)")
 
-    def window(self, mode: str, seconds: float) -> Window:
+    def window(self, mode: str, seconds: float) -> MeasuredWindow:
         """`seconds` of steady load in `mode`, counted; returns once the load has drained."""
         with self.changed:
             self.first_token = [False] * self.concurrency
@@ -273,7 +262,7 @@ class StaggeredLoad:
         self._wait(lambda: not any(self.busy))
         counted = deltas(before, after)
         tokens = counted["tokens"] if counted else None
-        window = Window(len(self.windows), mode, start, end, tokens, counted)
+        window = MeasuredWindow(len(self.windows), mode, start, end, tokens, counted)
         self.windows.append(window)
         return window
 
@@ -288,7 +277,11 @@ class StaggeredLoad:
 
 
 def summarize(
-    workload: str, mode: str, concurrency: int, windows: list[Window], requests: list[Request]
+    workload: str,
+    mode: str,
+    concurrency: int,
+    windows: list[MeasuredWindow],
+    requests: list[Request],
 ) -> LevelResult:
     """One mode at one level: its windows' tokens/s, and their requests."""
     indices = {w.index for w in windows}
@@ -337,11 +330,10 @@ def summarize(
     )
 
 
-def window_schedule(modes: list[str], level_index: int) -> list[str]:
-    """Each mode twice, in mirrored order (A B C D D C B A), the order itself alternating
-    from level to level: drift that is linear over a level hits every mode alike."""
-    order = modes if level_index % 2 == 0 else modes[::-1]
-    return order + order[::-1]
+def window_schedule(modes: list[str], level_index: int, rounds: int = 1) -> list[str]:
+    """The modes' windows at one level: each round gives every mode two, in mirrored order
+    (A B C C B A), the order reversed from level to level and from round to round."""
+    return [m for r in range(rounds) for m in mirrored_order(modes, level_index + r)]
 
 
 def ratio_table(levels: list[LevelResult], modes: list[str]) -> str:
@@ -419,12 +411,19 @@ def _seconds(value: float | None) -> str:
 
 
 def run_level(
-    workload: str, concurrency: int, modes: list[str], level_index: int, loads: dict, config
+    workload: str,
+    concurrency: int,
+    modes: list[str],
+    level_index: int,
+    loads: dict[str, StaggeredLoad],
+    config: BenchConfig,
+    rounds: int = 1,
 ) -> list[LevelResult]:
-    """One level: each mode's windows in mirrored order. `loads`: mode -> StaggeredLoad (a
-    mode may run on a server of its own, as float32's k = 0 does)."""
-    schedule = window_schedule(modes, level_index)
-    seconds = config.level_seconds / schedule.count(modes[0])
+    """One level: each mode's windows in mirrored order, `config.level_seconds` per mode and
+    round. `loads`: mode -> StaggeredLoad (a mode may run on a server of its own, as the
+    second server's k = 0 does)."""
+    schedule = window_schedule(modes, level_index, rounds)
+    seconds = config.level_seconds / 2  # in two windows per mode and round
     windows = [loads[mode].window(mode, seconds) for mode in schedule]
     distinct = {id(load): load for load in loads.values()}  # modes may share one load
     requests = {key: load.stop() for key, load in distinct.items()}
@@ -450,9 +449,41 @@ def run_level(
     return results
 
 
+def run_modes(config: BenchConfig, url: str) -> list[LevelResult]:
+    """The modes at every level of every workload, on the first server."""
+    levels: list[LevelResult] = []
+    for workload in config.workloads:
+        prompts = load_prompts(WORKLOADS[workload])
+        generate(prompts[0], url, config.model, max_tokens=8)  # warm-up
+        for i, concurrency in enumerate(config.concurrency):
+            load = StaggeredLoad(url, concurrency, prompts, config, config.metrics_url)
+            loads = {mode: load for mode in config.modes}
+            levels += run_level(workload, concurrency, config.modes, i, loads, config)
+    return levels
+
+
+def run_second(
+    config: BenchConfig, second: SecondServer, url: str, url_b: str, metrics_url_b: str | None
+) -> list[LevelResult]:
+    """k = 0 on the first server against k = 0 on the second, on the first workload."""
+    prompts = load_prompts(WORKLOADS[config.workloads[0]])
+    for warm in (url, url_b):
+        generate(prompts[0], warm, config.model, max_tokens=8)
+    c = second.concurrency
+    loads = {
+        "k0": StaggeredLoad(url, c, prompts, config, config.metrics_url),
+        second.mode: StaggeredLoad(url_b, c, prompts, config, metrics_url_b),
+    }
+    modes = ["k0", second.mode]
+    return run_level(second.workload, c, modes, 0, loads, config, second.rounds)
+
+
 def run(config: BenchConfig) -> list[LevelResult]:
+    """Measures what `config` asks for; writes <out_dir>/<name>.json, .csv and .png."""
     from specdec.harness import ManagedServer
 
+    config.validate()
+    second = config.second
     servers = []
     if config.url is None:
         servers.append(ManagedServer(f"bench-{config.name}", config.server_env))
@@ -460,26 +491,16 @@ def run(config: BenchConfig) -> list[LevelResult]:
     url = config.url or servers[0].url
     levels: list[LevelResult] = []
     try:
-        for workload in config.workloads:
-            prompts = load_prompts(WORKLOADS[workload])
-            generate(prompts[0], url, config.model, max_tokens=8)  # warm-up
-            for i, concurrency in enumerate(config.concurrency):
-                load = StaggeredLoad(url, concurrency, prompts, config, config.metrics_url)
-                loads = {mode: load for mode in config.modes}
-                levels += run_level(workload, concurrency, config.modes, i, loads, config)
-        if config.float32_concurrency:
-            float32 = ManagedServer(
-                f"bench-{config.name}-float32", {**config.server_env, "DTYPE": "float32"}
-            )
-            servers.append(float32)
-            prompts = load_prompts(WORKLOADS[config.workloads[0]])
-            generate(prompts[0], float32.url, config.model, max_tokens=8)
-            c = config.float32_concurrency
-            loads = {
-                "k0": StaggeredLoad(url, c, prompts, config, config.metrics_url),
-                "k0-float32": StaggeredLoad(float32.url, c, prompts, config, float32.metrics_url),
-            }
-            levels += run_level("dtype", c, ["k0", "k0-float32"], 0, loads, config)
+        if config.modes and config.concurrency:
+            levels += run_modes(config, url)
+        if second is not None:
+            url_b, metrics_url_b = second.url, second.metrics_url
+            if url_b is None:
+                env = {**config.server_env, **second.env}
+                own = ManagedServer(f"bench-{config.name}-{second.mode}", env)
+                servers.append(own)
+                url_b, metrics_url_b = own.url, own.metrics_url
+            levels += run_second(config, second, url, url_b, metrics_url_b)
     finally:
         for server in servers:
             server.stop()
@@ -491,27 +512,42 @@ def run(config: BenchConfig) -> list[LevelResult]:
         "server_env": config.server_env,
         "noise_floor": noise_floor(levels),
     }
+    if second is not None:
+        meta["second_server"] = {
+            "env": second.env,
+            "concurrency": second.concurrency,
+            "rounds": second.rounds,
+            "url": second.url,  # None: one of bench's own
+        }
     base = write_outputs(levels, config, meta)
-    print(ratio_table([r for r in levels if r.workload != "dtype"], config.modes))
-    print(f"noise floor (lowest k0-again / k0 of the run): {meta['noise_floor']}")
-    dtype = {r.mode: r.tokens_per_s for r in levels if r.workload == "dtype"}
-    if dtype:
-        print(
-            f"k = 0 at {config.float32_concurrency} streams, this server's dtype against "
-            f"float32: {dtype['k0'] / dtype['k0-float32']:.2f}x "
-            f"({dtype['k0']:.1f} / {dtype['k0-float32']:.1f} tok/s)"
-        )
+    report(levels, config, meta)
     print(f"wrote {base}.json, .csv, .png")
     return levels
 
 
-def main() -> None:
+def report(levels: list[LevelResult], config: BenchConfig, meta: dict) -> None:
+    """The ratio table, the noise floor and the second server's ratio, printed."""
+    second = config.second
+    by_modes = [r for r in levels if second is None or r.workload != second.workload]
+    if by_modes:
+        print(ratio_table(by_modes, config.modes))
+        print(f"noise floor (lowest k0-again / k0 of the run): {meta['noise_floor']}")
+    if second is not None:
+        rates = {r.mode: r.tokens_per_s for r in levels if r.workload == second.workload}
+        a, b = rates["k0"], rates[second.mode]
+        print(
+            f"k = 0 at {second.concurrency} streams, {second.label}: "
+            f"{a / b:.2f}x ({a:.1f} / {b:.1f} tok/s)"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--modes", default="k0,adaptive,k0-again", help=f"comma-separated, of {', '.join(MODES)}"
     )
     parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOADS)}")
-    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="'': no levels of the modes")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--level-seconds", type=float, default=40.0, help="sustained load per level and mode"
@@ -522,6 +558,18 @@ def main() -> None:
         default=0,
         help="also k = 0 on a float32 server of its own at this many streams (0: no)",
     )
+    parser.add_argument(
+        "--env-b",
+        default=None,
+        help="also k = 0 on a second server of its own with these settings on top of "
+        "--server-env, e.g. RESPONSE_THREAD=true",
+    )
+    parser.add_argument("--b-concurrency", type=int, default=32, help="the second server's")
+    parser.add_argument(
+        "--b-rounds", type=int, default=1, help="the second server's rounds of windows"
+    )
+    parser.add_argument("--url-b", default=None, help="a running second server, gRPC host:port")
+    parser.add_argument("--metrics-url-b", default=None, help="with --url-b")
     parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
     parser.add_argument("--metrics-url", default=None, help="with --url: http://host:8002/metrics")
     parser.add_argument("--model", default="ensemble")
@@ -532,12 +580,11 @@ def main() -> None:
         default="",
         help="for the own server, e.g. DTYPE=bfloat16,NUM_SLOTS=64",
     )
-    args = parser.parse_args()
-    env = parse_env(args.server_env)
-    run(
-        BenchConfig(
-            modes=args.modes.split(","),
-            concurrency=[int(c) for c in args.concurrency.split(",")],
+    args = parser.parse_args(argv)
+    try:
+        config = BenchConfig(
+            modes=[m for m in args.modes.split(",") if m],
+            concurrency=[int(c) for c in args.concurrency.split(",") if c],
             max_tokens=args.max_tokens,
             level_seconds=args.level_seconds,
             url=args.url,
@@ -546,10 +593,38 @@ def main() -> None:
             workloads=args.workloads.split(","),
             name=args.name,
             out_dir=args.out_dir,
-            server_env=env,
-            float32_concurrency=args.float32_concurrency,
+            server_env=parse_env(args.server_env),
+            second=second_server(args),
         )
+        config.validate()
+    except ValueError as error:
+        parser.error(str(error))
+    return config
+
+
+def second_server(args: argparse.Namespace) -> SecondServer | None:
+    """--float32-concurrency, or --env-b / --url-b and their --b-* settings; None: neither."""
+    other = args.env_b is not None or args.url_b is not None
+    if args.float32_concurrency and other:
+        raise ValueError("--float32-concurrency or --env-b / --url-b, not both")
+    if bool(args.url_b) != bool(args.metrics_url_b):
+        raise ValueError("--url-b and --metrics-url-b go together")
+    if args.float32_concurrency:
+        return float32_server(args.float32_concurrency)
+    if not other:
+        return None
+    return SecondServer(
+        parse_env(args.env_b or ""),
+        args.b_concurrency,
+        args.b_rounds,
+        label=f"this server against the one with {args.env_b or 'the same settings'}",
+        url=args.url_b,
+        metrics_url=args.metrics_url_b,
     )
+
+
+def main() -> None:
+    run(parse_args())
 
 
 if __name__ == "__main__":

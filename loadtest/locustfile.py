@@ -21,7 +21,7 @@ request they report, as Locust entries:
   (Locust only aggregates times: higher is better in that row).
 Times are taken when a response reaches the user's greenlet.
 
-Which users, and in which mode (bench.MODES: k0, adaptive, ...): `--plan file.json` (what
+Which users, and in which mode (common.MODES: k0, adaptive, ...): `--plan file.json` (what
 `make loadtest` writes: stages of users, each in windows that alternate the modes; a
 request takes the mode of the window it leaves in; after the last window the users go on
 until every request of the plan has finished); `--ramp` (1, 4, 16 ... --max-users users,
@@ -48,10 +48,9 @@ from locust import FastHttpUser, LoadTestShape, User, between, events, task
 grpc_gevent.init_gevent()  # before any gRPC channel exists
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MODES  # noqa: E402
 from grpc_streams import StreamPool, StreamResult, is_overload  # noqa: E402
-from schedule import STAGES, Window, build_plan, window_at  # noqa: E402
-
-from bench import MODES  # noqa: E402
+from schedule import STAGES, PlannedWindow, build_plan, window_at  # noqa: E402
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.jsonl"
 # ChatML as SmolLM2's template writes it (with its default system turn); --raw-prompts sends
@@ -62,6 +61,8 @@ CHAT_FORMAT = (
 )
 SMOKE_USERS = [1, 2, 4]
 TAIL_SECONDS = 900.0  # --plan: the most the users go on after the last window
+# Each mode's request inputs: common.MODES, and the kN that --num-draft-tokens makes up.
+REQUEST_INPUTS: dict[str, dict] = dict(MODES)
 
 
 @events.init_command_line_parser.add_listener
@@ -129,16 +130,17 @@ def mode_of(num_draft_tokens: int) -> str:
     if num_draft_tokens < 0:
         return "adaptive"
     name = f"k{num_draft_tokens}"
-    MODES.setdefault(
+    REQUEST_INPUTS.setdefault(
         name, {"num_draft_tokens": num_draft_tokens, "fixed_num_draft_tokens": num_draft_tokens > 0}
     )
     return name
 
 
-def load_plan(options) -> list[Window]:
+def load_plan(options) -> list[PlannedWindow]:
     """The run's windows: --plan's file, or those --ramp / --smoke stand for."""
     if options.plan:
-        return [Window(**w) for w in json.loads(Path(options.plan).read_text())["windows"]]
+        windows = json.loads(Path(options.plan).read_text())["windows"]
+        return [PlannedWindow(**w) for w in windows]
     mode = mode_of(options.num_draft_tokens)
     if options.smoke:  # each stage one window of 10 s, in two halves
         return build_plan(SMOKE_USERS, [mode], 5.0)
@@ -159,7 +161,7 @@ class PlanShape(LoadTestShape):
     until the plan's requests have finished, at most TAIL_SECONDS; then the run stops."""
 
     use_common_options = True
-    plan: list[Window] = []
+    plan: list[PlannedWindow] = []
 
     def tick(self):
         if not self.plan:
@@ -220,7 +222,7 @@ class StreamingUser:
     def params(self, mode: str) -> dict:
         o = self.options
         params = dict(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p)
-        params.update(MODES[mode])
+        params.update(REQUEST_INPUTS[mode])
         if o.temperature > 0:
             params["seed"] = self.rng.randrange(2**32)
         return params

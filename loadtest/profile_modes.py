@@ -20,16 +20,17 @@ import json
 import time
 from pathlib import Path
 
-from bench import (
+from common import (
     MODES,
     TIMED_PARTS,
     WORKLOADS,
     deltas,
     load_prompts,
     loop_counters,
+    parse_env,
     per_iteration,
+    unknown_modes,
 )
-from report import parse_env
 from specdec.client import generate, scrape_metrics
 from specdec.paths import PROJECT_ROOT
 
@@ -37,7 +38,7 @@ PROPOSER_NAMES = ("draft_model", "ngram")
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What the server did between two scrapes: bench's loop figures, and each proposer's
+    """What the server did between two scrapes: the loop figures bench reports, and each proposer's
     draft and accepted tokens."""
 
     def delta(key: str) -> float:
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "results" / "profile.json")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = unknown_modes(modes)
     if unknown:
         parser.error(f"--modes: unknown {', '.join(unknown)}; of {', '.join(MODES)}")
     prompts = load_prompts(WORKLOADS[args.workload])[: args.num_prompts]

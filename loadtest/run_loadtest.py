@@ -30,16 +30,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from schedule import MODES, STAGES, build_plan, segments_of, set_pure_intervals
+from common import MODES, finish_axes, parse_env, unknown_modes
+from schedule import STAGES, build_plan, segments_of, set_pure_intervals
 from schedule import summarize_segments as summarize
-
-from bench import MODES as KNOWN_MODES
-from report import finish_axes, parse_env
 from specdec.client import scrape_metrics, wait_until_idle
 from specdec.paths import PROJECT_ROOT
 
 LOCUSTFILE = PROJECT_ROOT / "loadtest" / "locustfile.py"
 SMOKE_STAGES = [1, 2]
+DEFAULT_MODES = ["k0", "adaptive", "k0-again"]  # k0-again: the noise floor
 
 
 @dataclass
@@ -47,7 +46,7 @@ class LoadtestConfig:
     out_dir: Path = PROJECT_ROOT / "results" / "loadtest"
     url: str | None = None  # None: a server of our own
     metrics_url: str | None = None  # with url: its metrics endpoint
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     stages: list[int] = field(default_factory=lambda: list(STAGES))
     window_seconds: float = 20.0  # up to 16 users; longer beyond (schedule.window_seconds)
     max_tokens: int = 64
@@ -249,9 +248,9 @@ def write_outputs(config: LoadtestConfig, rows: list[dict], meta: dict) -> None:
 
 
 def run(config: LoadtestConfig) -> list[dict]:
-    unknown = [m for m in config.modes if m not in KNOWN_MODES]
+    unknown = unknown_modes(config.modes)
     if unknown:
-        raise SystemExit(f"--modes: unknown {unknown}; known: {list(KNOWN_MODES)}")
+        raise SystemExit(f"--modes: unknown {unknown}; known: {list(MODES)}")
     config.out_dir.mkdir(parents=True, exist_ok=True)
     plan = build_plan(config.stages, config.modes, config.window_seconds)
     plan_path = config.out_dir / "plan.json"
@@ -305,7 +304,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="gRPC host:port; default: own server")
     parser.add_argument("--metrics-url", default=None, help="with --url: http://h:8002/metrics")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(KNOWN_MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="users per stage")
     parser.add_argument(
         "--window-seconds", type=float, default=20.0, help="one window, up to 16 users"

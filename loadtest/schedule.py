@@ -25,14 +25,16 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from report import percentile
+from common import mirrored_order, percentile
 
 STAGES = [1, 4, 16, 64, 128, 256, 512]
-MODES = ["k0", "adaptive", "k0-again"]
 
 
 @dataclass
-class Window:
+class PlannedWindow:
+    """A stretch of the run in which `users` users send in `mode` (bench.MeasuredWindow is
+    `make bench`'s: counted as it runs)."""
+
     index: int
     users: int
     mode: str
@@ -49,21 +51,20 @@ def window_seconds(users: int, base: float) -> float:
     return base * (2.0 if users <= 64 else 3.0)
 
 
-def build_plan(stages: list[int], modes: list[str], base_seconds: float) -> list[Window]:
+def build_plan(stages: list[int], modes: list[str], base_seconds: float) -> list[PlannedWindow]:
     """Every stage's windows back to back: each mode twice in mirrored order (A B C C B A,
-    the order reversed from stage to stage), as bench.window_schedule."""
-    windows: list[Window] = []
+    the order reversed from stage to stage), as `make bench` orders its levels' windows."""
+    windows: list[PlannedWindow] = []
     t = 0.0
     for i, users in enumerate(stages):
-        order = modes if i % 2 == 0 else modes[::-1]
         seconds = window_seconds(users, base_seconds)
-        for mode in order + order[::-1]:
-            windows.append(Window(len(windows), users, mode, t, t + seconds))
+        for mode in mirrored_order(modes, i):
+            windows.append(PlannedWindow(len(windows), users, mode, t, t + seconds))
             t += seconds
     return windows
 
 
-def window_at(plan: list[Window], run_time: float) -> Window | None:
+def window_at(plan: list[PlannedWindow], run_time: float) -> PlannedWindow | None:
     """The window in force `run_time` seconds into the run (None: after the last)."""
     starts = [w.start_s for w in plan]
     i = bisect.bisect_right(starts, run_time) - 1
@@ -92,7 +93,7 @@ class Segment:
         return max(0, self.end_ns - self.start_ns) / 1e9
 
 
-def segments_of(plan: list[Window], records: list[dict]) -> list[Segment]:
+def segments_of(plan: list[PlannedWindow], records: list[dict]) -> list[Segment]:
     """Groups adjacent same-stage same-mode windows; assigns each record by its window."""
     segments: list[Segment] = []
     by_window: dict[int, Segment] = {}

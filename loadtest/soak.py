@@ -20,9 +20,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import PROJECT_ROOT, load_prompts
+from common import WORKLOADS, load_prompts
 from specdec.client import StreamingClient
 from specdec.harness import ManagedServer
+from specdec.paths import PROJECT_ROOT
 from specdec.processes import tree_resident_bytes
 
 REQUEST_MIX = [
@@ -112,7 +113,7 @@ def judge_memory(result: SoakResult, config: SoakConfig) -> None:
 
 
 def run(config: SoakConfig) -> SoakResult:
-    prompts = load_prompts(PROJECT_ROOT / "loadtest" / "prompts.jsonl")
+    prompts = load_prompts(WORKLOADS["chat"])
     server = ManagedServer(f"soak-{config.name}") if config.url is None else None
     url = config.url or server.url
     pid = server.process.pid if server is not None else config.pid

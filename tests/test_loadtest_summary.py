@@ -1,5 +1,6 @@
 """`make loadtest`'s plan and accounting (loadtest/schedule.py, run_loadtest.py), pure logic
-on scripted records; the run itself is in test_loadtools."""
+on scripted records; `make bench`'s window order and arguments (loadtest/bench.py); the
+runs themselves are in test_loadtools."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from specdec.paths import PROJECT_ROOT
 
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
-from run_loadtest import add_ratios, noise_floor, table  # noqa: E402
+from bench import parse_args, window_schedule  # noqa: E402
+from common import MODES, parse_env  # noqa: E402
+from run_loadtest import DEFAULT_MODES, add_ratios, noise_floor, table  # noqa: E402
 from schedule import (  # noqa: E402
     build_plan,
     client_tokens_between,
@@ -20,8 +23,6 @@ from schedule import (  # noqa: E402
     summarize_segments,
     window_at,
 )
-
-from report import parse_env  # noqa: E402
 
 S = 1_000_000_000  # ns per s
 
@@ -200,6 +201,7 @@ def test_stream_pool_lengthens_grpc_wait_slices():
     """Locust's users wait on their streams without waking every 0.1 s (grpc_streams.py):
     the pool sets gRPC's wait slice, and a gRPC without that constant fails loudly here."""
     import grpc._common
+
     from grpc_streams import WAIT_SLICE_S, StreamPool
 
     original = grpc._common.MAXIMUM_WAIT_TIMEOUT
@@ -218,3 +220,41 @@ def test_server_env_parses_pairs_and_refuses_a_name_without_a_value():
     for bad in ("DTYPE", "=bfloat16", "DTYPE=bfloat16,NUM_SLOTS"):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             parse_env(bad)
+
+
+def test_bench_mirrors_the_modes_in_each_round_and_reverses_them_at_the_next():
+    assert window_schedule(["a", "b", "c"], 0) == ["a", "b", "c", "c", "b", "a"]
+    assert window_schedule(["a", "b", "c"], 1) == ["c", "b", "a", "a", "b", "c"]
+    rounds = window_schedule(["a", "b"], 0, rounds=3)
+    assert rounds == ["a", "b", "b", "a", "b", "a", "a", "b", "a", "b", "b", "a"]
+
+
+def test_bench_arguments_name_one_second_server_or_none():
+    make_bench = parse_args(["--float32-concurrency", "32", "--server-env", "DTYPE=bfloat16"])
+    second = make_bench.second
+    assert (second.env, second.concurrency, second.rounds) == ({"DTYPE": "float32"}, 32, 1)
+    assert (second.mode, second.workload) == ("k0-float32", "dtype")
+    assert make_bench.server_env == {"DTYPE": "bfloat16"} and make_bench.concurrency == [
+        1,
+        4,
+        16,
+        64,
+    ]
+    only_b = parse_args(["--concurrency", "", "--env-b", "RESPONSE_THREAD=true", "--b-rounds", "2"])
+    assert only_b.concurrency == [] and only_b.second.env == {"RESPONSE_THREAD": "true"}
+    assert (only_b.second.mode, only_b.second.concurrency, only_b.second.rounds) == ("k0-b", 32, 2)
+    assert {"k0", "k0-b", "k0-float32"} <= set(MODES)
+    assert parse_args([]).second is None
+    refused = (
+        ["--float32-concurrency", "8", "--env-b", "DTYPE=float32"],  # two second servers
+        ["--url-b", "127.0.0.1:1"],  # no metrics for it
+        ["--concurrency", ""],  # nothing to measure
+        ["--modes", "k0,k3"],  # not a mode
+    )
+    for argv in refused:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+
+
+def test_loadtest_default_modes_are_modes():
+    assert set(DEFAULT_MODES) <= set(MODES) and "k0-again" in DEFAULT_MODES

@@ -1,6 +1,6 @@
 """The load tools against a real server: `make loadtest` in miniature, Locust on the OpenAI
-API, a short perf_analyzer run, a short soak, `make bench` in miniature, the two-server
-comparison, profile_modes and engine_speed."""
+API, a short perf_analyzer run, a short soak, `make bench` in miniature (with its
+second-server comparison), profile_modes and engine_speed."""
 
 from __future__ import annotations
 
@@ -191,7 +191,8 @@ def test_short_soak_has_no_failures_and_flat_memory(server, tmp_path: Path):
 
 
 def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
-    """`make bench` in miniature: both modes, two windows each, figures from the server."""
+    """`make bench` in miniature: both modes, two windows each, figures from the server;
+    then k = 0 against a second server (here the same one: --url-b), in mirrored windows."""
     subprocess.run(
         [
             sys.executable,
@@ -210,6 +211,12 @@ def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
             "12",
             "--max-tokens",
             "16",
+            "--url-b",
+            server.url,
+            "--metrics-url-b",
+            server.metrics_url,
+            "--b-concurrency",
+            "2",
             "--name",
             "bench-ci",
             "--out-dir",
@@ -219,7 +226,8 @@ def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
         cwd=PROJECT_ROOT,
         check=True,
     )
-    levels = json.loads((tmp_path / "bench-ci.json").read_text())["levels"]
+    report = json.loads((tmp_path / "bench-ci.json").read_text())
+    levels = [r for r in report["levels"] if r["workload"] == "chat"]
     assert sorted((r["mode"], r["concurrency"]) for r in levels) == [
         ("adaptive", 1),
         ("adaptive", 2),
@@ -238,8 +246,15 @@ def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
     assert all(r["draft_tokens_per_output_token"] == 0 for r in k0)
     assert all(r["tokens_per_iteration"] == pytest.approx(r["concurrency"], rel=0.5) for r in k0)
     with (tmp_path / "bench-ci.csv").open() as handle:
-        assert len(list(csv.DictReader(handle))) == 4
+        assert len(list(csv.DictReader(handle))) == 4 + 2
     assert (tmp_path / "bench-ci.png").stat().st_size > 0
+    sides = {r["mode"]: r for r in report["levels"] if r["workload"] == "env-b"}
+    assert set(sides) == {"k0", "k0-b"} and report["meta"]["second_server"]["concurrency"] == 2
+    for level in sides.values():
+        assert level["concurrency"] == 2 and level["num_errors"] == 0
+        assert level["num_requests"] >= 2 and len(level["window_tokens_per_s"]) == 2
+        assert level["tokens_per_s"] > 0 and level["target_ms_per_iteration"] > 0
+        assert level["draft_tokens_per_output_token"] == 0  # k = 0 on both sides
 
 
 def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path):
@@ -279,46 +294,6 @@ def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path)
     assert ngram["ngram_accepted"] <= ngram["ngram_draft_tokens"]
     for row in rows.values():
         assert row["target_ms_per_iteration"] > 0 and row["respond_ms_per_iteration"] > 0
-
-
-def test_ab_servers_measures_both_sides_in_mirrored_windows(server, tmp_path: Path):
-    """Both sides pointed at the one test server: each gets its two windows, with figures
-    from the server's counters, and B / A is what the sides' tokens/s say."""
-    urls = ["--url-a", server.url, "--url-b", server.url]
-    metrics = ["--metrics-url-a", server.metrics_url, "--metrics-url-b", server.metrics_url]
-    subprocess.run(
-        [
-            sys.executable,
-            str(PROJECT_ROOT / "loadtest" / "ab_servers.py"),
-            *urls,
-            *metrics,
-            "--concurrency",
-            "2",
-            "--rounds",
-            "1",
-            "--level-seconds",
-            "12",
-            "--max-tokens",
-            "16",
-            "--name",
-            "ab-ci",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        timeout=300,
-        cwd=PROJECT_ROOT,
-        check=True,
-    )
-    report = json.loads((tmp_path / "ab-ci.json").read_text())
-    sides = {r["mode"]: r for r in report["levels"]}
-    assert set(sides) == {"a", "b"} and len(report["levels"]) == 2
-    for level in sides.values():
-        assert level["num_errors"] == 0 and level["num_requests"] >= 2
-        assert len(level["window_tokens_per_s"]) == 2
-        assert level["tokens_per_s"] > 0 and level["target_ms_per_iteration"] > 0
-        assert level["draft_tokens_per_output_token"] == 0  # k = 0 on both sides
-    ratio = sides["b"]["tokens_per_s"] / sides["a"]["tokens_per_s"]
-    assert report["b_over_a"] == pytest.approx(ratio)
 
 
 def test_engine_speed_times_each_shape_in_each_precision(tmp_path: Path):

@@ -1,0 +1,120 @@
+"""What the load tests and benchmarks share: the modes, the workloads and their prompts, the
+order of the modes' windows, the server's loop counters, --server-env, percentiles and the
+look of the plots.
+
+The scripts in loadtest/ run as files (`python loadtest/bench.py`), so Python puts this
+folder on sys.path and they import this module by its bare name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.client import scrape_metrics
+from specdec.paths import PROJECT_ROOT
+from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS
+
+# The modes: each name's request inputs. k0-again is k = 0 under a second name (the noise
+# floor); k0-float32 and k0-b are k = 0 on bench's second server (--float32-concurrency,
+# --env-b).
+MODES: dict[str, dict] = {
+    "k0": {"num_draft_tokens": 0},
+    "k2": {"num_draft_tokens": 2, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
+    "k4": {"num_draft_tokens": 4, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
+    "k8": {"num_draft_tokens": 8, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
+    "draft": {"proposer": "draft_model"},
+    "ngram": {"proposer": "ngram"},
+    "adaptive": {},
+    "k0-again": {"num_draft_tokens": 0},
+    "k0-float32": {"num_draft_tokens": 0},
+    "k0-b": {"num_draft_tokens": 0},
+}
+WORKLOADS = {
+    "chat": PROJECT_ROOT / "loadtest" / "prompts.jsonl",
+    "grounded": PROJECT_ROOT / "loadtest" / "prompts_grounded.jsonl",
+}
+
+
+def unknown_modes(modes: list[str]) -> list[str]:
+    """The names in `modes` that MODES does not define."""
+    return [mode for mode in modes if mode not in MODES]
+
+
+def load_prompts(path: Path) -> list[str]:
+    """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines."""
+    from specdec.text.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
+
+
+def mirrored_order(modes: list[str], index: int) -> list[str]:
+    """Each mode twice, in mirrored order (A B C C B A), the order itself reversed at every
+    other `index` (level, stage or round): drift that is linear over it hits every mode
+    alike."""
+    order = modes if index % 2 == 0 else modes[::-1]
+    return order + order[::-1]
+
+
+# The loop's parts, and the outbox's time (inline: within respond; threaded: beside the loop).
+TIMED_PARTS = (*LOOP_PARTS, "outbox")
+
+
+def loop_counters(values: dict[str, float]) -> dict[str, float]:
+    """Emitted tokens, iterations and loop seconds by part, from a scrape_metrics result."""
+    counters = {
+        "tokens": values.get("specdec_emitted_tokens_total", 0.0),
+        "iterations": values.get("specdec_iterations_total", 0.0),
+    }
+    for part in LOOP_PARTS:
+        counters[part] = values.get(f'specdec_loop_seconds_total{{part="{part}"}}', 0.0)
+    counters["outbox"] = values.get(OUTBOX_SECONDS, 0.0)
+    return counters
+
+
+def server_counters(metrics_url: str | None) -> dict[str, float]:
+    """The server's emitted tokens, iterations and loop seconds by part; {} without metrics."""
+    return {} if metrics_url is None else loop_counters(scrape_metrics(metrics_url))
+
+
+def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """after - before, by name: what loop_counters counted between two readings."""
+    return {name: after[name] - before[name] for name in after}
+
+
+def per_iteration(counted: dict[str, float]) -> dict[str, float]:
+    """Tokens per iteration and ms per iteration by loop part, from loop_counters' deltas."""
+    iterations = counted["iterations"]
+    report = {"tokens_per_iteration": counted["tokens"] / iterations if iterations else 0.0}
+    for part in TIMED_PARTS:
+        ms = 1000 * counted[part] / iterations if iterations else 0.0
+        report[f"{part}_ms_per_iteration"] = ms
+    return report
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """A --server-env value, NAME=VALUE,... ("" = none), as a dict."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise ValueError(f"expected NAME=VALUE,... got {text!r}")
+    return dict(pairs)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def finish_axes(axes_and_titles, xlabel: str) -> None:
+    """Log2 x axis, title, grid and legend on each (axis, title)."""
+    for axis, title in axes_and_titles:
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel(xlabel)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
