@@ -101,7 +101,7 @@ bench: models
 
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models
-	$(PY) loadtest/bench_draft.py
+	$(PY) -m build.bench_draft
 
 # 10 minutes of bounded load on a server of its own: zero failures, memory growth < 10%.
 soak: models

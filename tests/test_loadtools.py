@@ -1,6 +1,6 @@
 """The load tools against a real server: `make loadtest` in miniature, Locust on the OpenAI
 API, a short perf_analyzer run, a short soak, `make bench` in miniature (with its
-second-server comparison), profile_modes and engine_speed."""
+second-server comparison) and profile_modes."""
 
 from __future__ import annotations
 
@@ -294,38 +294,3 @@ def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path)
     assert ngram["ngram_accepted"] <= ngram["ngram_draft_tokens"]
     for row in rows.values():
         assert row["target_ms_per_iteration"] > 0 and row["respond_ms_per_iteration"] > 0
-
-
-def test_engine_speed_times_each_shape_in_each_precision(tmp_path: Path):
-    out = tmp_path / "engine.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(PROJECT_ROOT / "loadtest" / "engine_speed.py"),
-            "--checkpoint",
-            str(PROJECT_ROOT / "models" / "smollm2-135m-draft"),
-            "--shapes",
-            "1x1,2x3",
-            "--cached",
-            "16",
-            "--repeats",
-            "2",
-            "--out",
-            str(out),
-        ],
-        timeout=300,
-        cwd=PROJECT_ROOT,
-        check=True,
-    )
-    report = json.loads(out.read_text())
-    assert set(report["dtypes"]) == {"bfloat16", "float32"}
-    for results in report["dtypes"].values():
-        assert [(r["rows"], r["tokens"]) for r in results] == [(1, 1), (2, 3)]
-        assert all(r["median_ms"] > 0 for r in results)
-    refused = subprocess.run(
-        [sys.executable, str(PROJECT_ROOT / "loadtest" / "engine_speed.py"), "--shapes", "4"],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert refused.returncode == 2 and "--shapes" in refused.stderr

@@ -1,6 +1,6 @@
 """Does the draft earn its keep? Served speculation against k = 0 and against transformers.
 
-    .venv/bin/python loadtest/bench_draft.py            # `make bench-draft`
+    .venv/bin/python -m build.bench_draft            # `make bench-draft`
 
 In one run, on held-out chat prompts (loadtest/prompts.jsonl, never trained on), 128 output
 tokens, concurrency 1:

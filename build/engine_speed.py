@@ -1,14 +1,13 @@
 """The torch engine's forward in this process, by precision, rows and tokens per row.
 
-    .venv/bin/python loadtest/engine_speed.py [--checkpoint models/smollm2-135m-instruct]
+    .venv/bin/python -m build.engine_speed [--checkpoint models/smollm2-135m-instruct]
         [--dtypes bfloat16,float32] [--shapes 1x1,1x8,16x1,32x1] [--cached 200]
 
 What a verify costs against a plain step, and what bfloat16 buys over float32, on this
 host, without a server: every slot is filled with `--cached` positions, then each shape
 (ROWSxTOKENS: that many rows each appending that many tokens and asking for their logits)
-runs `--repeats` times; the median is reported. Hosts differ: on the one of 2026-12-02 a
-single row's step was slower in bfloat16 than in float32, 32 rows 1.6x faster
-(docs/benchmarks.md). Writes JSON.
+runs `--repeats` times; the median is reported. Hosts differ most in what bfloat16 buys
+(those measured: docs/benchmarks.md). Writes JSON.
 """
 
 from __future__ import annotations
