@@ -30,15 +30,12 @@ from tritonclient.grpc._utils import _get_inference_request
 
 from specdec.client import METRIC_OUTPUTS, build_inputs, requested_outputs
 
-# No limit on message sizes (as tritonclient's default channel), keep the connection alive.
 # A user reading its stream waits for the next response on a condition, in slices of
-# grpc._common.MAXIMUM_WAIT_TIMEOUT (0.1 s), so that a waiting main thread sees Ctrl-C. Each
-# slice wakes the greenlet for nothing: at 512 users (448 of them queued for minutes) some
-# 5,000 wake-ups a second, and the Locust process's CPU grew with the users (15% of a core
-# at 64, 28% at 512) although the responses per second did not; on a 2-core machine that
-# CPU is taken from the server it measures. A response or the call's end
-# still wakes the waiter at once (the condition is notified); Locust stops a user by killing
-# its greenlet, which does not wait for a slice either. GRPC_WAIT_SLICE_S=0.1: gRPC's own.
+# grpc._common.MAXIMUM_WAIT_TIMEOUT (0.1 s, so that a waiting main thread sees Ctrl-C). Each
+# slice wakes the greenlet for nothing, and with hundreds of queued users that CPU is taken
+# from the server being measured (what it cost: docs/loadtest.md, Locust's wake-ups). A
+# response or the call's end still wakes the waiter at once (the condition is notified);
+# Locust stops a user by killing its greenlet. GRPC_WAIT_SLICE_S=0.1: gRPC's own.
 WAIT_SLICE_S = float(os.environ.get("GRPC_WAIT_SLICE_S", "5.0"))
 
 
@@ -48,6 +45,7 @@ def lengthen_grpc_wait_slices(seconds: float = WAIT_SLICE_S) -> None:
     grpc._common.MAXIMUM_WAIT_TIMEOUT = seconds
 
 
+# No limit on message sizes (as tritonclient's default channel), keep the connection alive.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
