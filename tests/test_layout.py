@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from specdec.paths import PROJECT_ROOT as ROOT
+
 PACKAGE = ROOT / "specdec"
 LAYERS = {"engines": 0, "text": 0, "loop": 1, "serving": 2}
 TOP = 3  # specdec/*.py: entry points

@@ -9,17 +9,16 @@ import queue
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from specdec.client import PERF_OUTPUTS, generate
+from specdec.paths import PROJECT_ROOT
 
 pytestmark = pytest.mark.server
 
-ROOT = Path(__file__).resolve().parent.parent
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = [
@@ -323,7 +322,7 @@ def test_the_stream_client_prints_every_sequence_with_its_log_probs(server):
     """clients/stream_client.py, as the README runs it: two sampled sequences of one prompt."""
     command = [
         sys.executable,
-        str(ROOT / "clients" / "stream_client.py"),
+        str(PROJECT_ROOT / "clients" / "stream_client.py"),
         "--url",
         server.url,
         "--chat",
