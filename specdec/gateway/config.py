@@ -63,6 +63,14 @@ def haproxy_binary() -> str | None:
     )
 
 
+def require_haproxy() -> str:
+    """haproxy_binary(), or a FileNotFoundError that says how to install it."""
+    binary = haproxy_binary()
+    if binary is None:
+        raise FileNotFoundError("haproxy not found: apt-get install haproxy")
+    return binary
+
+
 def _common(bind: str, config: GatewayConfig) -> list[str]:
     """global, defaults, the two frontends and the stats listener."""
     return [
@@ -169,11 +177,8 @@ def render_compose_config(services: tuple[str, ...] = COMPOSE_SERVICES) -> str:
 
 def check_config(path: Path, env: dict[str, str] | None = None) -> None:
     """haproxy -c: raises with HAProxy's own message when the file is not valid."""
-    binary = haproxy_binary()
-    if binary is None:
-        raise FileNotFoundError("haproxy not found: apt-get install haproxy")
     result = subprocess.run(
-        [binary, "-c", "-q", "-f", str(path)], env=env, capture_output=True, text=True
+        [require_haproxy(), "-c", "-q", "-f", str(path)], env=env, capture_output=True, text=True
     )
     if result.returncode != 0:
         raise ValueError(f"{path}: {result.stdout}{result.stderr}")

@@ -22,6 +22,7 @@ from specdec.gateway.config import (
     check_config,
     haproxy_binary,
     render_config,
+    require_haproxy,
 )
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent, is_ready, port_open
@@ -39,7 +40,7 @@ class Gateway:
         self.log_path = config.run_dir / "haproxy.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [haproxy_binary(), "-db", "-f", str(self.config_path)],
+            [require_haproxy(), "-db", "-f", str(self.config_path)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             preexec_fn=end_with_parent,
