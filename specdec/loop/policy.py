@@ -93,6 +93,8 @@ class ProposerPolicy:
             candidates = [Candidate(batch[r], max_ks[r]) for r in rows]
             for i, k in proposer.plan(candidates, len(batch), fixed_ks).items():
                 plan.assign(rows[i], proposer, k)
+        for rows in plan.calls.values():
+            rows.sort()  # batch order, fixed-k rows among the others
         plan.chosen_k = max((p.chosen_k for p in self.proposers.values()), default=0)
         return plan
 
