@@ -7,11 +7,11 @@
 Each checkpoint's graph is exported in --dtype (float16, bfloat16, or auto: bfloat16 where
 the GPU has it, as the server's DTYPE=auto picks; specdec/engines/select.py) into <plan
 folder>/onnx, then built strongly typed with optimization profiles for --num-slots sequences
-of --max-context positions (specdec/engines/trt_engine.py: optimization_profiles). Plans go
+of --max-context positions (specdec/engines/trt_plan.py: optimization_profiles). Plans go
 to .run/engines/<checkpoint folder name>/tensorrt-<dtype>, where the tensorrt engine looks
 for them (or --out, one checkpoint). A plan that already serves the limits on this TensorRT
 and GPU is kept; any other is rebuilt, and the reason printed
-(specdec/engines/trt_engine.py: plan_mismatch). """
+(specdec/engines/trt_plan.py: plan_mismatch). """
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from build.export_onnx import hf_directory
 from specdec.engines.select import DTYPES, engine_dtype
-from specdec.engines.trt_engine import default_plan_dir, ensure_plan, optimization_profiles
+from specdec.engines.trt_plan import default_plan_dir, ensure_plan, optimization_profiles
 from specdec.paths import PROJECT_ROOT
 
 

@@ -207,7 +207,7 @@ def step(report: dict, name: str, action) -> dict | None:
 def tensorrt_step(config: GpuCheckConfig, prompts, reference) -> dict:
     from specdec.engines.onnx_engine import default_engines_root
     from specdec.engines.select import engine_dtype
-    from specdec.engines.trt_engine import default_plan_dir, ensure_plan
+    from specdec.engines.trt_plan import default_plan_dir, ensure_plan
 
     dtype = engine_dtype("tensorrt", config.dtype, "cuda")  # auto: bfloat16 if the GPU has it
     builds = {}

@@ -34,11 +34,11 @@ from specdec.engines.onnx_export import (
     input_names,
     output_names,
 )
-from specdec.engines.trt_engine import (
+from specdec.engines.trt_engine import TrtEngine
+from specdec.engines.trt_plan import (
     MAX_LOGITS,
     PLAN_FILES,
     Profile,
-    TrtEngine,
     build_plan,
     ensure_plan,
     optimization_profiles,
@@ -392,7 +392,9 @@ def fake_trt(monkeypatch) -> FakeTensorRT:
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
     trt = FakeTensorRT(cuda)
     monkeypatch.setitem(sys.modules, "tensorrt", trt.module())
-    monkeypatch.setattr("specdec.engines.trt_engine.current_environment", lambda: dict(ENVIRONMENT))
+    for module in ("trt_plan", "trt_engine"):  # where plans are built, and loaded
+        here = f"specdec.engines.{module}.current_environment"
+        monkeypatch.setattr(here, lambda: dict(ENVIRONMENT))
     return trt
 
 

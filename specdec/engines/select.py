@@ -4,8 +4,9 @@
   fallback where TensorRT is not installed.
 - `onnxruntime`: the exported graph (specdec/engines/onnx_engine.py); exported from the checkpoint
   into `engine_dir` (default .run/engines/<checkpoint name>/onnx-float32) when missing or stale.
-- `tensorrt`: a TensorRT plan of that graph (specdec/engines/trt_engine.py), GPU only; built into
-  `engine_dir` (default .run/engines/<checkpoint name>/tensorrt-<dtype>) when missing.
+- `tensorrt`: a TensorRT plan of that graph (specdec/engines/trt_engine.py), GPU only; built
+  (specdec/engines/trt_plan.py) into `engine_dir` (default
+  .run/engines/<checkpoint name>/tensorrt-<dtype>) when missing or stale.
 
 Precision, the `dtype` parameter (DTYPE of make serve): float32, bfloat16, float16 or auto.
 `auto` picks bfloat16 on a CPU with bfloat16 instructions (avx512_bf16 or amx_bf16) and
