@@ -4,8 +4,8 @@ Two numerically different paths through the same model (a verify of k + 1 tokens
 one-token steps; a GPU's kernels against the CPU's; bfloat16 or float16 against float32)
 may pick different tokens where the reference's two best logits are nearly tied: their
 greedy texts may part there, and only there. A divergence where the reference's top-2 gap
-is TIE_MARGIN or more is a bug. README, Precision; tests/test_bfloat16_server.py and
-build/gpu_check.py apply the rule.
+is TIE_MARGIN or more is a bug. README, Exactness, and docs/design.md, Precision;
+tests/test_bfloat16_server.py and build/gpu_check.py apply the rule.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-# The reference's top-2 logit gap below which two paths may disagree. The torch engine's final
-# norm and head compute in float32, so its logits are not rounded to bfloat16's coarse steps;
-# the residual and attention are, and that moves a logit by a few hundredths (README).
+# The reference's top-2 logit gap below which two paths may disagree. Below float32 the torch
+# engine's matrices (the head too) and attention compute in bfloat16 or float16, which two
+# paths round differently; its residual stream and norms stay float32, and each position's
+# top 16 logits are recomputed in float32, so the top two are not rounded onto bfloat16's
+# coarse steps.
+# A chosen bound, not a measured one (docs/benchmarks.md, Precision).
 TIE_MARGIN = 0.25
 
 Decode = Callable[[Sequence[int]], str]

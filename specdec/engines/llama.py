@@ -212,9 +212,10 @@ class LlamaEngine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        """dtype: what the matrices, the attention and the KV cache compute in (float32,
-        bfloat16; float16 on CUDA only). The residual stream, the norms and the head stay
-        float32 in every dtype (see forward)."""
+        """dtype: what the matrices (the head too), the attention and the KV cache compute
+        in (float32, bfloat16; float16 on CUDA only). The residual stream and the norms stay
+        float32 in every dtype (see forward); below float32 each position's top
+        RESCORED_LOGITS logits are recomputed in float32 (head_logits)."""
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype {dtype}: expected one of {COMPUTE_DTYPES}")
         if dtype == torch.float16 and torch.device(device).type == "cpu":
@@ -231,9 +232,9 @@ class LlamaEngine:
         def vector(name: str) -> torch.Tensor:  # norm weights: float32 as the norms are
             return weights[name].to(self.device, torch.float32)
 
-        # The head is a matrix like the others (a float32 copy cost 30-40% of a bfloat16
-        # step here); its top logits are recomputed in float32 (head_logits), so they are
-        # not rounded to bfloat16's steps (0.125 near 20) where the top two would tie.
+        # The head is a matrix like the others: a float32 copy would slow every step
+        # (docs/benchmarks.md). Its top logits are recomputed in float32 (head_logits), so
+        # they are not rounded to bfloat16's steps (0.125 near 20) where the top two would tie.
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = matrix(head_name)
         self.embed = (
@@ -282,7 +283,7 @@ class LlamaEngine:
         device="cpu",
         dtype: torch.dtype = torch.float32,
     ) -> LlamaEngine:
-        config, weights = load_hf_checkpoint(path)  # float32: the head and norms stay so
+        config, weights = load_hf_checkpoint(path)  # float32; __init__ casts the matrices to dtype
         return cls(config, weights, num_slots, max_length, device, dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

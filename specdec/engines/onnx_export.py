@@ -13,9 +13,13 @@ values (the caller appends them to its own cache: the graph never copies the pas
     new_key.{i}      (B, kv_heads, T, head_dim)  (and new_value.{i}), after RoPE
 
 B, T, P and L are dynamic axes. New tokens attend causally among themselves and to every
-past key the mask allows. The module reuses specdec/engines/llama.py's pieces, so the graph is the
-torch engine's arithmetic; a draft's `draft.head_token_ids` goes to engine.json beside the
-graph (the engine spreads the head's logits over the vocabulary, -inf elsewhere).
+past key the mask allows. The module reuses specdec/engines/llama.py's pieces, so in float32
+the graph is the torch engine's arithmetic. In float16 or bfloat16 (TensorRT's plans) it
+differs: the residual stream and the head compute in that dtype like the matrices, and no
+top logits are recomputed in float32; RMSNorm and the attention's scores and softmax run in
+float32.
+A draft's `draft.head_token_ids` goes to engine.json beside the graph (the engine spreads
+the head's logits over the vocabulary, -inf elsewhere).
 """
 
 from __future__ import annotations
