@@ -14,7 +14,7 @@ from specdec.serving.outbox import Outbox, PendingMetrics
 @pytest.fixture
 def outbox():
     errors: list[BaseException] = []
-    box = Outbox(on_error=errors.append, max_pending=2)
+    box = Outbox(on_error=errors.append, threaded=True, max_pending=2)
     box.errors = errors
     yield box
     box.close(timeout=10)

@@ -1,14 +1,13 @@
 """What the loop sends each iteration: its responses and its metric updates, in order.
 
 In Triton's Python backend every response sent and every metric updated is a round trip
-to the server process (the stub waits for the server's answer): at 32 rows about 25 ms of
-a 130-160 ms iteration, while the engines wait. The loop builds each iteration's work and
-hands it to an Outbox, which runs it either at once (the default) or on a thread of its
-own while the loop runs the next step (the BLS parameter `response_thread`). On the 2-core
-CPU default the thread cost more than it saved: the server's work on the responses then
-competes with the engine's threads (at 32 streams, bfloat16: the target call 150-160 ms
-instead of 127-133, 178-190 tok/s instead of 197-208; docs/benchmarks.md). It is for hosts
-whose engines run on a GPU, or that have cores to spare.
+to the server process (the stub waits for the server's answer), while the engines wait.
+The loop builds each iteration's work and hands it to an Outbox, which runs it either at
+once (the default, as the server's: the BLS parameter `response_thread` is false) or on a
+thread of its own while the loop runs the next step (`response_thread` true). On 2 CPU
+cores the thread costs more than it saves: the server's work on the responses then
+competes with the engine's threads (docs/benchmarks.md). It is for hosts whose engines run
+on a GPU, or that have cores to spare.
 
 Order is kept: batches run in the order they were submitted, and the callables of a batch
 in their order, so a request's responses arrive in order, its FINAL response last, and a
@@ -32,13 +31,13 @@ Work = Callable[[], None]
 
 
 class Outbox:
-    """Runs batches of callables in submission order: on a thread of its own (`threaded`),
-    or at once on the caller's thread."""
+    """Runs batches of callables in submission order: at once on the caller's thread, or
+    on a thread of its own (`threaded`)."""
 
     def __init__(
         self,
         on_error: Callable[[BaseException], None],
-        threaded: bool = True,
+        threaded: bool = False,
         max_pending: int = 2,
         name: str = "outbox",
     ) -> None:
