@@ -45,7 +45,7 @@ from specdec.engines.trt_plan import (
     plan_mismatch,
     select_profile,
 )
-from specdec.engines.wire import LOOKBACK_TOKENS, EngineBatch
+from specdec.engines.wire import HINDSIGHT_TOKENS, EngineBatch
 from specdec.paths import PROJECT_ROOT
 
 ENGINES_ROOT = PROJECT_ROOT / ".run" / "engines"
@@ -83,7 +83,7 @@ def random_call(rng: random.Random, num_slots: int, max_context: int):
         length = min(length, max_context)
         lengths.append(length)
         cached.append(rng.randint(0, max_context - length))
-        logits.append(rng.randint(1, min(length, MAX_LOGITS)))  # a catch-up: lookback + 1
+        logits.append(rng.randint(1, min(length, MAX_LOGITS)))  # a catch-up: guesses + 1
     return lengths, cached, logits
 
 
@@ -434,7 +434,7 @@ def configured_max_draft_tokens() -> int:
 
 def scheduler_batch(rng: random.Random, role: str, num_slots: int, max_context: int, max_k: int):
     """A batch the scheduler may send: rows on distinct slots, greedy or sampled, each a new
-    prompt (up to the whole context), a draft's catch-up of many tokens (lookback), or a
+    prompt (up to the whole context), a draft's catch-up of many tokens (hindsight), or a
     decode / verify step of pending tokens + k proposals, some at the end of the context."""
     num_rows = rng.randint(1, num_slots)
     lengths, cached, steps = [], [], []
@@ -474,12 +474,12 @@ def scheduler_batch(rng: random.Random, role: str, num_slots: int, max_context: 
 
 def test_configured_k_fits_the_plans():
     assert configured_max_draft_tokens() + 1 <= MAX_LOGITS
-    assert MAX_LOGITS >= LOOKBACK_TOKENS + 1  # a greedy draft row catching up
+    assert MAX_LOGITS >= HINDSIGHT_TOKENS + 1  # a greedy draft row catching up
 
 
 def test_issue_example_a_greedy_draft_prompt_finds_a_profile():
     profiles = optimization_profiles(64, 2048)
-    assert profiles[select_profile(profiles, 1, 40, 1, LOOKBACK_TOKENS + 1)].name == "prefill"
+    assert profiles[select_profile(profiles, 1, 40, 1, HINDSIGHT_TOKENS + 1)].name == "prefill"
 
 
 @pytest.mark.parametrize("num_slots,max_context", [(64, 2048), (4, 40)])

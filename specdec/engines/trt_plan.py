@@ -8,7 +8,7 @@ the graph says). Two optimization profiles cover what GraphEngine sends:
 - `prefill`: one row of T 17..max_context tokens (GraphEngine runs long rows alone: prompts,
   a draft's catch-up, a verify of k + 1 > 16);
 past length P from 1 (a masked position) to what the context leaves; L logits per row up to
-MAX_LOGITS (a greedy draft row that catches up asks for LOOKBACK_TOKENS + 1).
+MAX_LOGITS (a greedy draft row that catches up asks for HINDSIGHT_TOKENS + 1).
 
 A plan folder holds model.plan, engine.json (the graph's manifest, the profiles, and the
 TensorRT version, GPU and compute capability that built it: a plan runs only there) and
@@ -32,15 +32,15 @@ import torch
 
 from specdec.engines.onnx_engine import MAX_BATCHED_QUERY
 from specdec.engines.onnx_export import MANIFEST, input_names, read_manifest
-from specdec.engines.wire import LOOKBACK_TOKENS
+from specdec.engines.wire import HINDSIGHT_TOKENS
 
 PLAN_FILE = "model.plan"
 # Bump when a plan folder's layout or the meaning of its profiles changes: older plans are
 # rebuilt. 2: profiles, TensorRT version and GPU in engine.json, head_token_ids.npy beside it.
 PLAN_FORMAT_VERSION = 2
-# Logits per row: a greedy draft row catching up asks for lookback + 1, the target k + 1
-# (so k <= MAX_LOGITS - 1 = 32 fits a plan).
-MAX_LOGITS = LOOKBACK_TOKENS + 1
+# Logits per row: a greedy draft row catching up asks for HINDSIGHT_TOKENS guesses + 1, the
+# target k + 1 (so k <= MAX_LOGITS - 1 = 32 fits a plan).
+MAX_LOGITS = HINDSIGHT_TOKENS + 1
 PLAN_FILES = ("graph", "head_token_ids")  # manifest keys that name a file of the folder
 ENVIRONMENT_KEYS = ("tensorrt_version", "gpu", "compute_capability")  # a plan runs only there
 

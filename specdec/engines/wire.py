@@ -119,6 +119,3 @@ class Engines(Protocol):
 
     def draft(self, batch: EngineBatch) -> EngineResult: ...
     def target(self, batch: EngineBatch) -> EngineResult: ...
-
-
-LOOKBACK_TOKENS = HINDSIGHT_TOKENS  # transitional: trt_engine.py still imports the old name
