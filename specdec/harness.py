@@ -21,6 +21,7 @@ from specdec.processes import (
     end_with_parent,
     free_port,
     is_ready,
+    terminate,
     tree_resident_bytes,
 )
 from specdec.server_config import ServerConfig, start
@@ -99,12 +100,7 @@ class ManagedServer:
         return tree_resident_bytes(self.process.pid)
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process, timeout=60)
         self.log.close()
 
     def __enter__(self) -> ManagedServer:

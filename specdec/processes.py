@@ -10,6 +10,7 @@ import ctypes
 import re
 import signal
 import socket
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +25,18 @@ def end_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+def terminate(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; reaps it."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def free_port() -> int:

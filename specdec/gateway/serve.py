@@ -25,7 +25,7 @@ from specdec.gateway.config import (
     require_haproxy,
 )
 from specdec.paths import PROJECT_ROOT
-from specdec.processes import end_with_parent, is_ready, port_open
+from specdec.processes import end_with_parent, is_ready, port_open, terminate
 
 
 class Gateway:
@@ -75,13 +75,7 @@ class Gateway:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout=10)
         self.log.close()
 
     def __enter__(self) -> Gateway:
