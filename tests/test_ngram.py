@@ -195,13 +195,20 @@ def test_rows_choose_their_own_proposer(monkeypatch):
     assert drafted.token_ids[7:] == repeat([1, 2, 3, 4, 5, 6, 7], 60)
 
 
-def test_num_draft_tokens_caps_the_lookup():
-    prompt = [1, 2, 3, 4, 1, 2, 3]
+def test_num_draft_tokens_caps_the_lookup(monkeypatch):
+    # Copied text: lookups pay and would take up to max_draft_tokens (8); the request caps 2.
+    monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
     scheduler, _ = make_scheduler()
-    sequence = scheduler.submit(GenerationRequest(None, prompt, 30, end_id=-1, num_draft_tokens=2))
+    sequence = scheduler.submit(GenerationRequest(None, PROMPT, 30, end_id=-1, num_draft_tokens=2))
+    ks, lookups = [], [0, 0]  # k per step; the lookups' [proposed, accepted]
     while scheduler.has_work:
         scheduler.step()
-        assert scheduler.last_plan.of(sequence)[1] <= 2
+        ks.append(scheduler.last_plan.of(sequence)[1])
+        proposed, accepted = scheduler.last_iteration.by_proposer.get("ngram", [0, 0])
+        lookups = [lookups[0] + proposed, lookups[1] + accepted]
+    assert max(ks) == 2, ks
+    assert lookups[0] >= 10 and lookups[1] == lookups[0], lookups  # copies are all accepted
+    assert sequence.token_ids[len(PROMPT) :] == repeat(PROMPT, 30)
 
 
 def test_zero_draft_tokens_turns_speculation_off(monkeypatch):
