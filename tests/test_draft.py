@@ -10,7 +10,7 @@ from conftest import DRAFT
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.sampling import RowSampling, probs_from_logits, sample_token
 from specdec.loop.rejection import rejection_sample
-from stats import CHI2_CRITICAL_0_001, chi_square
+from stats import chi_square, critical_0_001
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +46,50 @@ def test_draft_scores_only_its_head(draft_engine):
 
 
 def test_rejection_with_the_real_draft_reproduces_the_target(draft_engine, target_dir):
-    """Real distributions at one context, temperature 0.7 and top-k 6 on both (a small
-    support, so a chi-square test can see a wrong rule)."""
+    """Real distributions, temperature 0.7 and top-k 6 on both (small supports, so a
+    chi-square test can see a wrong rule), k = 1: the law of both emitted tokens, the
+    accepted-or-recovered one and the next (the bonus when the proposal is accepted), is
+    the target's."""
     target = LlamaEngine.from_checkpoint(target_dir, num_slots=1, max_length=128)
     context = [1, 504, 3575, 282, 4649, 314]
     processing = sampling(0.7, 6)
-    target_probs = probs_from_logits(last_logits(target, context)[None], processing)[0]
-    draft_probs = probs_from_logits(last_logits(draft_engine, context)[None], processing)[0]
-    assert not torch.allclose(target_probs, draft_probs)  # otherwise the test shows nothing
-    # Only tokens either distribution can produce matter: work on their union (exact).
-    union = torch.nonzero((target_probs > 0) | (draft_probs > 0)).flatten()
-    target_small, draft_small = target_probs[union], draft_probs[union]
+
+    def target_row(tokens: list[int]) -> torch.Tensor:
+        return probs_from_logits(last_logits(target, tokens)[None], processing)[0]
+
+    first = target_row(context)
+    draft_probs = probs_from_logits(last_logits(draft_engine, context)[None], processing)
+    assert not torch.allclose(first, draft_probs[0])  # otherwise the test shows nothing
+    # The target's next distribution after each token it can emit first.
+    after = {int(x): target_row(context + [int(x)]) for x in torch.nonzero(first > 0).flatten()}
+    # Only tokens some distribution can produce matter: work on their union (exact).
+    reachable = (first > 0) | (draft_probs[0] > 0) | (torch.stack(list(after.values())) > 0).any(0)
+    union = torch.nonzero(reachable).flatten()
+    small = {int(v): i for i, v in enumerate(union)}  # token -> its index in the union
+    first_small, draft_small = first[union], draft_probs[:, union]
+    after_small = {small[x]: row[union] for x, row in after.items()}
+    cells = [
+        (x, int(y)) for x, row in after_small.items() for y in torch.nonzero(row > 0).flatten()
+    ]
+    index = {cell: i for i, cell in enumerate(cells)}
+    expected = torch.tensor([float(first_small[x] * after_small[x][y]) for x, y in cells])
+
     generator = torch.Generator().manual_seed(5)
-    counts = torch.zeros(len(union))
+    counts = torch.zeros(len(cells))
     for _ in range(20_000):
-        proposal = sample_token(draft_small, generator)
+        proposal = sample_token(draft_small[0], generator)
+        # Row 1 is read only when the proposal is accepted, which needs first[proposal] > 0.
+        second = after_small.get(proposal, first_small)
         verdict = rejection_sample(
-            [proposal], draft_small[None], target_small[None].repeat(2, 1), generator
+            [proposal], draft_small, torch.stack([first_small, second]), generator
         )
-        counts[verdict.token_ids[0]] += 1
-    stat, dof = chi_square(counts, target_small)
-    assert dof == 5
-    assert stat < CHI2_CRITICAL_0_001[5]
+        emitted = verdict.token_ids
+        if len(emitted) == 1:  # rejected: the next round draws the next token from the target
+            emitted = emitted + [sample_token(after_small[emitted[0]], generator)]
+        counts[index[(emitted[0], emitted[1])]] += 1
+    stat, dof = chi_square(counts, expected / expected.sum())
+    assert dof == len(cells) - 1 and dof >= 20
+    assert stat < critical_0_001(dof), (stat, dof)
 
 
 def test_transformers_wrapper_matches_the_engine(draft_engine):
