@@ -1,7 +1,11 @@
 """Scripted engines for unit tests of the loop: a deterministic 'language model' over ints.
 
 Each fake keeps a real per-slot cache of token lists and computes its answer from what the
-cache holds, so wrong cache bookkeeping in the scheduler gives wrong tokens.
+cache holds, so wrong cache bookkeeping in the scheduler gives wrong tokens. Sampled rows
+(temperature > 0) get distributions that depend on the context too: the target's over three
+tokens around its greedy token, the draft's over three around its guess (one the target
+never emits), so a distribution taken from the wrong row or position changes the law of
+what the loop emits (tests/test_scheduler.py counts it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,27 @@ def draft_guess(tokens: list[int]) -> int:
     """A draft that agrees with the oracle except at every third length."""
     right = oracle_next(tokens)
     return right if len(tokens) % 3 else (right + 1) % VOCAB
+
+
+# Sampled rows: offsets from the greedy token (the target) or the guess (the draft), and
+# their probabilities. The draft's +3 is outside the target's support.
+TARGET_SPREAD = ((0, 0.5), (1, 0.3), (2, 0.2))
+DRAFT_SPREAD = ((0, 0.4), (1, 0.2), (3, 0.4))
+
+
+def target_distribution(tokens: list[int]) -> np.ndarray:
+    """(VOCAB,) the target's next-token distribution of a sampled row."""
+    probs = np.zeros(VOCAB, dtype=np.float32)
+    for offset, p in TARGET_SPREAD:
+        probs[(oracle_next(tokens) + offset) % VOCAB] = p
+    return probs
+
+
+def draft_distribution(tokens: list[int]) -> np.ndarray:
+    probs = np.zeros(VOCAB, dtype=np.float32)
+    for offset, p in DRAFT_SPREAD:
+        probs[(draft_guess(tokens) + offset) % VOCAB] = p
+    return probs
 
 
 def oracle_continuation(prompt: list[int], num_tokens: int) -> list[int]:
@@ -66,31 +91,45 @@ class FakeEngines:
         self.calls.append(("draft", len(rows)))
         self.input_lengths.append(("draft", batch.input_lengths.tolist()))
         out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
+        probs = []  # sampled rows' distributions, k per row, in batch order
         guessed = hindsight_lengths(batch.input_lengths, batch.temperature)
         hindsight = np.full((len(rows), max(guessed)), -1, dtype=np.int64)
         for r, held in enumerate(rows):
             for j in range(guessed[r]):  # each of the last fed tokens, from those before it
                 hindsight[r, j] = draft_guess(held[: len(held) - guessed[r] + j])
+            sampler = np.random.default_rng(int(batch.seeds[r]))  # as the real draft: its seed
             for step in range(int(batch.num_steps[r])):
                 token = draft_guess(held)
+                if batch.temperature[r] > 0:
+                    probs.append(draft_distribution(held))
+                    token = int(sampler.choice(VOCAB, p=probs[-1] / probs[-1].sum()))
                 out[r, step] = token
                 if step + 1 < batch.num_steps[r]:
                     held.append(token)  # fed, as the real draft does
-        return EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32), hindsight)
+        return EngineResult(out, stacked(probs), hindsight)
 
     def target(self, batch: EngineBatch) -> EngineResult:
         rows = self._append(self.target_cache, batch)
         self.calls.append(("target", len(rows)))
         self.input_lengths.append(("target", batch.input_lengths.tolist()))
         out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
+        probs = []  # sampled rows' distributions, num_steps per row, in batch order
         for r, held in enumerate(rows):
             n = int(batch.num_steps[r])
             for j in range(n):
-                out[r, j] = oracle_next(held[: len(held) - n + 1 + j])
-        result = EngineResult(out, np.zeros((0, VOCAB), dtype=np.float32))
+                prefix = held[: len(held) - n + 1 + j]
+                if batch.temperature[r] > 0:
+                    probs.append(target_distribution(prefix))
+                else:
+                    out[r, j] = oracle_next(prefix)
+        result = EngineResult(out, stacked(probs))
         if batch.wants_log_probs().any():  # a log-probability that depends on the prefix only
             result.log_probs = np.where(out >= 0, -0.01 * (out + 1), 0).astype(np.float32)
         return result
+
+
+def stacked(rows: list[np.ndarray]) -> np.ndarray:
+    return np.stack(rows) if rows else np.zeros((0, VOCAB), dtype=np.float32)
 
 
 def fake_decode(token_ids) -> str:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+import fakes
 from fakes import FakeEngines, fake_decode, oracle_continuation
 from specdec.loop.admission import QueueFull
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.controller import Choice
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.text.request import GenerationRequest
+from stats import chi_square, critical_0_001
 
 
 def make_scheduler(num_slots=4, k=3, max_context=256, fail_on_call=None, max_queue=64):
@@ -291,3 +294,63 @@ def test_times_are_ordered_and_come_from_the_clock():
     times = s.times
     assert 0 < times.arrival_ns < times.first_scheduled_ns < times.first_token_ns
     assert times.first_token_ns < times.last_token_ns
+
+
+def target_law(prompt: list[int], length: int) -> dict[tuple[int, ...], float]:
+    """P(the next `length` tokens) of a sampled row after `prompt`, for every sequence of
+    positive probability."""
+    law = {(): 1.0}
+    for _ in range(length):
+        law = {
+            seq + (int(t),): p * float(q)
+            for seq, p in law.items()
+            for t, q in enumerate(fakes.target_distribution(prompt + list(seq)))
+            if q > 0
+        }
+    return law
+
+
+def assert_follows_the_target(outputs: list[tuple[int, ...]], prompt: list[int], length: int):
+    law = target_law(prompt, length)
+    cells = sorted(law)
+    counts = torch.tensor([float(outputs.count(cell)) for cell in cells])
+    assert counts.sum() == len(outputs), "a sequence the target never emits"
+    stat, dof = chi_square(counts, torch.tensor([law[c] for c in cells]))
+    assert stat < critical_0_001(dof), (stat, dof)
+
+
+def test_sampled_rows_follow_the_target_in_a_mixed_batch():
+    """Sampled rows at k = 1 and k = 3 drafted by the model, with greedy rows between them
+    (they take no probability rows), in batches of 16 that requests join and leave: each
+    group's law of all its tokens (max_tokens = k + 1: the last one is the bonus whenever
+    every draft token is accepted) is the target's."""
+    scheduler, _ = make_scheduler(num_slots=16, k=3, max_queue=10_000)
+    prompt = [4, 4]
+    groups: dict[int, list] = {1: [], 3: []}
+    greedy = []
+    for i in range(4_800):
+        if i % 3 == 2:
+            greedy.append(scheduler.submit(request(prompt, 4)))
+            continue
+        k = 1 if i % 3 == 0 else 3
+        draft = dict(num_draft_tokens=k, fixed_num_draft_tokens=True, proposer="draft_model")
+        groups[k].append(scheduler.submit(request(prompt, k + 1, temperature=1.0, seed=i, **draft)))
+    run_all(scheduler, limit=100_000)
+    assert all(s.token_ids[2:] == oracle_continuation(prompt, 4) for s in greedy)
+    for k, sequences in groups.items():
+        assert sum(s.stats.num_accepted_draft_tokens for s in sequences) > 0
+        assert_follows_the_target([tuple(s.token_ids[2:]) for s in sequences], prompt, k + 1)
+
+
+def test_sampled_rows_follow_the_target_with_prompt_lookup():
+    """The same with prompt lookup's point-mass proposals (no draft distribution)."""
+    scheduler, _ = make_scheduler(num_slots=16, k=3, max_queue=10_000)
+    prompt = [4, 4, 4, 4, 4, 4]
+    lookup = dict(num_draft_tokens=3, fixed_num_draft_tokens=True, proposer="ngram")
+    sequences = [
+        scheduler.submit(request(prompt, 3, temperature=1.0, seed=i, **lookup))
+        for i in range(3_000)
+    ]
+    run_all(scheduler, limit=100_000)
+    assert sum(s.stats.num_draft_tokens for s in sequences) > 0
+    assert_follows_the_target([tuple(s.token_ids[6:]) for s in sequences], prompt, 3)
