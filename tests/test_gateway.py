@@ -19,7 +19,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from live import is_final, scrape, start_victim, wait_for
-from specdec.client import GenerationResult, generate
+from specdec.client import GenerationResult, StreamingClient, generate
 from specdec.gateway.config import GatewayConfig, Replica, haproxy_binary
 from specdec.gateway.serve import Gateway
 from specdec.harness import ManagedServer
@@ -171,12 +171,22 @@ def test_a_replica_that_is_not_ready_leaves_the_rotation_and_comes_back(servers)
 
 
 def attempt(url: str, prompt: str) -> GenerationResult:
-    """A short request whose failure is a result (tritonclient raises when the stream broke
-    before the request went out)."""
-    try:
-        return stream(url, prompt, 4)
-    except InferenceServerException as error:
-        return GenerationResult(error=error)
+    """A request whose failure is a result. When the stream broke before the request went
+    out, tritonclient raises a generic error and the stream's own lands in the callback."""
+    with StreamingClient(url, "ensemble") as client:
+        try:
+            return client.generate(prompt, max_tokens=8, stream=True, exclude_input_in_output=True)
+        except InferenceServerException:
+            _, error = client.responses.get(timeout=10)
+            return GenerationResult(error=error)
+
+
+def reset_by_the_gateway(error: InferenceServerException) -> bool:
+    """HAProxy reset the stream when the replica's connection died: REFUSED_STREAM (HTTP/2
+    code 7, gRPC UNAVAILABLE) for a stream it had just put on that connection, an error code
+    (gRPC INTERNAL) for one the replica was answering."""
+    statuses = ("StatusCode.UNAVAILABLE", "StatusCode.INTERNAL")
+    return error.status() in statuses and "RST_STREAM" in error.message()
 
 
 def kill_tree(server: ManagedServer) -> None:
@@ -198,12 +208,24 @@ def test_a_killed_replica_ends_its_streams_the_other_serves_and_a_restart_rejoin
     on_victim = scrape(victim.metrics_url)["specdec_running_batch_size"]
     assert 1 <= on_victim <= 3  # least connections put streams on both
 
+    before = finished(survivor)
     kill_tree(victim)
     # Sent while the replica dies: one the gateway put on its connection before the kernel
-    # closed it fails (a stream cannot be resent), the others go elsewhere; none hangs.
+    # closed it is reset (a stream cannot be resent), the others go to the survivor; none
+    # hangs, and none ends early without an error.
     with ThreadPoolExecutor(4) as pool:
         racing = list(pool.map(lambda p: attempt(gateway.url, p), PROMPTS[:4]))
-    assert all(r.text or r.error for r in racing)
+    expected = stream_all(survivor.url, PROMPTS[:4])  # the reference: no gateway
+    for result, reference in zip(racing, expected, strict=True):
+        if result.error is None:
+            assert result.text == reference.text
+        else:
+            assert reset_by_the_gateway(result.error), (
+                result.error.status(),
+                result.error.message(),
+            )
+    served = [r for r in racing if r.error is None]
+    assert served and finished(survivor) >= before + len(served) + len(expected)
     gateway.wait_for_state("replica1", "DOWN", timeout=10)
     before = finished(survivor)
     later = stream_all(gateway.url, PROMPTS[4:8], 4)  # once the gateway saw it die: all
