@@ -72,3 +72,53 @@ def hf_greedy_text(hf_target, prompt: str, max_new_tokens: int) -> str:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# -- strict skips (CI: .ci/run sets SPECDEC_STRICT_SKIPS=1) ----------------------------------
+# A skipped test is not coverage. Under SPECDEC_STRICT_SKIPS=1 only tests marked `gpu` may
+# skip (CI has no GPU); any other skip turns into a failure that names the skip's reason, and
+# the summary lists them all.
+STRICT_SKIPS = os.environ.get("SPECDEC_STRICT_SKIPS") == "1"
+ALLOWED_SKIP_MARKERS = ("gpu",)
+_strict_skip_failures: list[tuple[str, str]] = []  # (test id, the skip's reason)
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    if isinstance(report.longrepr, tuple):  # (path, line, "Skipped: reason")
+        return report.longrepr[2].removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    allowed = any(item.get_closest_marker(name) for name in ALLOWED_SKIP_MARKERS)
+    if STRICT_SKIPS and report.skipped and not hasattr(report, "wasxfail") and not allowed:
+        reason = _skip_reason(report)
+        _strict_skip_failures.append((item.nodeid, reason))
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped, and SPECDEC_STRICT_SKIPS=1 lets only tests marked "
+            f"{' or '.join(ALLOWED_SKIP_MARKERS)} skip: {reason}"
+        )
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A whole module skipped at import (a module-level pytest.skip or importorskip) has no
+    test to carry a marker: under strict skips it fails the collection."""
+    report = yield
+    if STRICT_SKIPS and report.skipped:
+        reason = _skip_reason(report)
+        _strict_skip_failures.append((collector.nodeid, reason))
+        report.outcome = "failed"
+        report.longrepr = f"skipped at collection, and SPECDEC_STRICT_SKIPS=1: {reason}"
+    return report
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _strict_skip_failures:
+        terminalreporter.section("skips outside the allow-list (SPECDEC_STRICT_SKIPS=1)", red=True)
+        for nodeid, reason in _strict_skip_failures:
+            terminalreporter.line(f"{nodeid}: {reason}")

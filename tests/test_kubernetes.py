@@ -353,7 +353,10 @@ def test_gateway_routes_http2_streams_to_the_grpc_port(rendered, tmp_path):
     front = find(documents, "Service", "specdec")
     assert {p["name"]: p["targetPort"] for p in front["spec"]["ports"]}["grpc"] == "grpc"
     if haproxy_binary() is None:
-        pytest.skip("haproxy not installed: its own check of the config did not run")
+        pytest.skip(
+            "haproxy not installed (apt-get install haproxy; .ci/run installs it): "
+            "HAProxy's own check of the config did not run"
+        )
     path = tmp_path / "haproxy.cfg"
     path.write_text(config)
     check_config(path, {"POD_NAMESPACE": "specdec", "PATH": "/usr/sbin:/usr/bin:/bin"})
