@@ -11,6 +11,7 @@ import pytest
 
 import build.gpu_check as gpu_check
 from build.gpu_check import parity, parse_args, run, serve, step
+from specdec.engines.greedy_parity import TIE_MARGIN
 
 
 def test_dry_run_writes_a_report_without_starting_a_server(tmp_path):
@@ -35,7 +36,7 @@ def test_runs_cover_k0_and_adaptive_at_each_stream_level(tmp_path):
         ("k0", 16),
         ("adaptive", 16),
     ]
-    assert config.dtype == "auto" and config.tie_margin == 0.25
+    assert config.dtype == "auto" and config.tie_margin == TIE_MARGIN
 
 
 WORDS = ["a", " b", " c", " d", " e", " f"]

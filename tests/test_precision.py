@@ -7,7 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from build.tie_margin import PROMPTS
 from conftest import DRAFT
+from specdec.engines.greedy_parity import (
+    MEASURED_PRECISION_MOVE,
+    MEASURED_VERIFY_MOVE,
+    PRECISION_MARGIN,
+    TIE_MARGIN,
+    SingleSteps,
+    gap_moves,
+    greedy_top2,
+    precision_moves,
+    token_divergences,
+)
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.select import create_engine, engine_dtype, resolve_dtype
 from specdec.server_config import ENGINE_MODELS, ServerConfig, render_repository
@@ -133,34 +145,90 @@ def test_bfloat16_head_recomputes_its_top_logits_in_float32(engines):
     assert not torch.equal(logits.gather(1, top), rounded.gather(1, top))
 
 
-def greedy(engine: LlamaEngine, prompt: list[int], num_tokens: int) -> list[int]:
-    logits = engine.forward(torch.tensor(prompt), [len(prompt)], [0], [0], [1])
-    tokens = [int(logits[-1].argmax())]
-    for step in range(num_tokens - 1):
-        logits = engine.forward(torch.tensor(tokens[-1:]), [1], [0], [len(prompt) + step], [1])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens
+# The prompt and positions where build/tie_margin.py measured its largest moves (the list
+# prompt, position 43): a live measurement there reaches the committed figures.
+LIVE_PROMPT = PROMPTS[6]
+LIVE_TOKENS = 48
 
 
-def teacher_forced(engine: LlamaEngine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits after the prompt and after each of tokens[:-1], in one call."""
-    ids = prompt + tokens[:-1]
-    return engine.forward(torch.tensor(ids), [len(ids)], [1], [0], [len(tokens)])
-
-
-def test_bfloat16_agrees_with_float32_on_greedy_tokens(engines, target_dir):
+@pytest.fixture(scope="module")
+def live_prompt(target_dir) -> list[int]:
     from specdec.text.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(str(target_dir))
-    prompt = tokenizer.encode(
-        "<|im_start|>user\nName three rivers in Europe and one fact about each.<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-    tokens = greedy(engines[torch.float32], prompt, 64)
-    logits = teacher_forced(engines[torch.bfloat16], prompt, tokens)
-    assert logits.dtype == torch.float32 and logits.shape == (64, 49152)
-    agree = sum(int(a) == b for a, b in zip(logits.argmax(dim=-1), tokens, strict=True))
-    assert agree >= 0.9 * 64, f"bfloat16 agreed with float32 on {agree} of 64 tokens"
+    return load_tokenizer(str(target_dir)).encode(LIVE_PROMPT)
+
+
+def assert_margin(margin: float, measured: float, live: float) -> None:
+    """A margin is at least the largest move and at most twice it: the committed figure's,
+    and this host's live one."""
+    assert measured <= margin <= 2 * measured
+    assert live <= margin <= 2 * live, f"live largest move {live:.4f}, margin {margin}"
+
+
+def test_tie_margin_holds_for_a_live_verify_measurement(engines, live_prompt):
+    """TIE_MARGIN against verifies of 5 and 9 tokens at every alignment, teacher-forced
+    along bfloat16 plain decoding (LIVE_TOKENS of the worst measured prompt)."""
+    engine = engines[torch.bfloat16]
+    path = greedy_top2(engine, live_prompt, LIVE_TOKENS, None)
+    moves = [
+        m.move
+        for width in (5, 9)
+        for offset in range(width)
+        for m in gap_moves(engine, [live_prompt], [path[0]], [path], [width], [offset])[0]
+    ]
+    assert len(moves) == 14 * (LIVE_TOKENS - 1)
+    assert_margin(TIE_MARGIN, MEASURED_VERIFY_MOVE, max(moves))
+
+
+def test_a_verify_of_one_token_is_a_single_step(engines, live_prompt):
+    """The measurement's own control: width 1 is the reference path itself, move 0."""
+    engine = engines[torch.bfloat16]
+    path = greedy_top2(engine, live_prompt, 12, None)
+    moves = gap_moves(engine, [live_prompt], [path[0]], [path], [1], [0])[0]
+    assert len(moves) == 11 and all(m.move == 0 and not m.flipped for m in moves)
+
+
+@pytest.fixture(scope="module")
+def float32_path(engines, live_prompt) -> tuple[list[int], list[int], list[float]]:
+    """float32 plain greedy decoding, LIVE_TOKENS through the end token: per position the
+    argmax, the runner-up and their gap."""
+    return greedy_top2(engines[torch.float32], live_prompt, LIVE_TOKENS, None)
+
+
+def disagreements(engine, prompt, path) -> list[tuple[int, float]]:
+    """Where `engine`'s one-token steps, teacher-forced along float32's greedy path, pick
+    another token: (position, float32's top-2 gap there)."""
+    ids, _, float32_gaps = path
+    found = token_divergences(engine, prompt, ids, None, ended=False)
+    return [(d.position, float32_gaps[d.position]) for d in found]
+
+
+def test_bfloat16_leaves_float32_greedy_only_at_near_ties(engines, live_prompt, float32_path):
+    """Every position: bfloat16's argmax is float32's, or float32's two best were within
+    PRECISION_MARGIN; and the margin holds for this live measurement."""
+    steps = SingleSteps(engines[torch.bfloat16])
+    moves = precision_moves(steps, live_prompt, float32_path)
+    assert len(moves) == LIVE_TOKENS
+    assert_margin(PRECISION_MARGIN, MEASURED_PRECISION_MOVE, max(m.move for m in moves))
+    found = disagreements(steps, live_prompt, float32_path)  # the same steps, not recomputed
+    assert all(gap < PRECISION_MARGIN for _, gap in found), found
+
+
+def test_the_precision_check_fails_for_an_engine_that_computes_something_else(
+    engines, live_prompt, float32_path
+):
+    """Not vacuous: the same check of a bfloat16 engine that lost one layer's MLP (its down
+    matrix zero, as a weight that failed to load) finds tokens where float32's top two
+    were far apart. (Scaling that matrix by 1.06 or 1.5 moves only near ties.)"""
+    engine = engines[torch.bfloat16]
+    down = engine.layers[15]["down"]
+    saved = down.clone()
+    down.zero_()
+    try:
+        found = disagreements(engine, live_prompt, float32_path)
+    finally:
+        down.copy_(saved)
+    assert any(gap >= PRECISION_MARGIN for _, gap in found), found
 
 
 def test_reduced_draft_head_works_in_bfloat16():
