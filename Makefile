@@ -19,7 +19,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy serve engines test test-unit lint format client draft bench bench-draft loadtest soak clean
+.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-draft loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -73,6 +73,10 @@ test: models haproxy
 
 test-unit: venv
 	$(PY) -m pytest -ra -m "not server"
+
+# The planted bugs the loop's tests must catch (tests/mutations/run.py; not part of `make test`).
+mutations: models
+	$(PY) tests/mutations/run.py
 
 # mypy: the settings and the files (specdec/) are pyproject.toml's [tool.mypy].
 lint: venv

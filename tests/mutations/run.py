@@ -1,0 +1,191 @@
+"""Planted bugs the loop's tests must catch.
+
+Each mutant is one edit to a copy of the project (specdec/, tests/, pyproject.toml; the
+models are linked); the tests named for it then run on the copy and must fail. A mutant
+whose tests pass is a bug the suite would let through.
+
+    .venv/bin/python tests/mutations/run.py              # every mutant (make mutations)
+    .venv/bin/python tests/mutations/run.py --list
+    .venv/bin/python tests/mutations/run.py bonus-position target-cache-length
+    .venv/bin/python tests/mutations/run.py --all-tests  # run every named test, not -x
+
+It first runs the tests on an unchanged copy: a failure there makes every verdict void.
+Exit status: 0 when every mutant was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+# The tests that guard the loop, fastest first (-x stops at the first failure).
+UNIT = ["tests/test_rejection.py", "tests/test_scheduler.py"]
+REAL = ["tests/test_loop_engines.py"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...] = (*UNIT, *REAL)
+
+
+MUTANTS = [
+    Mutant(
+        "accepted-count-greedy",
+        "greedy verification keeps the first rejected draft token",
+        "specdec/loop/rejection.py",
+        "emitted = list(draft_token_ids[:num_accepted]) + [target_token_ids[num_accepted]]",
+        "emitted = list(draft_token_ids[: num_accepted + 1]) + [target_token_ids[num_accepted]]",
+    ),
+    Mutant(
+        "accepted-count-sampled",
+        "rejection sampling keeps the rejected draft token before the recovered one",
+        "specdec/loop/rejection.py",
+        "return Verdict(i, list(draft_token_ids[:i]) + [recovered])",
+        "return Verdict(i, list(draft_token_ids[: i + 1]) + [recovered])",
+    ),
+    Mutant(
+        "bonus-position",
+        "the bonus token drawn from the last draft position's distribution",
+        "specdec/loop/rejection.py",
+        "bonus = sample_token(target_probs[k], generator)",
+        "bonus = sample_token(target_probs[max(k - 1, 0)], generator)",
+    ),
+    Mutant(
+        "target-probs-row",
+        "each sampled row takes k target distributions instead of k + 1",
+        "specdec/loop/scheduler.py",
+        "probs_row += k + 1",
+        "probs_row += k",
+    ),
+    Mutant(
+        "draft-probs-row",
+        "greedy rows are counted when slicing the draft's distributions",
+        "specdec/loop/proposers/draft_model.py",
+        "                probs_row += k\n",
+        "            probs_row += k\n",
+    ),
+    Mutant(
+        "target-cache-length",
+        "the target cache is taken to hold the newest token, which was never fed",
+        "specdec/loop/scheduler.py",
+        "sequence.target_cache_length = len(sequence.token_ids) - 1",
+        "sequence.target_cache_length = len(sequence.token_ids)",
+    ),
+    Mutant(
+        "target-cache-rollback",
+        "rejected draft tokens stay in the target cache (no rollback)",
+        "specdec/loop/scheduler.py",
+        "sequence.target_cache_length = len(sequence.token_ids) - 1",
+        # every position fed stays valid: the tokens before the step, and all k proposals
+        "sequence.target_cache_length = "
+        "len(sequence.token_ids) - (sequence.num_output_tokens - num_before) + k",
+    ),
+    Mutant(
+        "draft-cache-length",
+        "the draft cache is taken to hold its last proposal, which was never fed",
+        "specdec/loop/proposers/draft_model.py",
+        "sequence.draft_cache_length = len(sequence.token_ids) + max(k - 1, 0)",
+        "sequence.draft_cache_length = len(sequence.token_ids) + k",
+    ),
+    Mutant(
+        "end-token-missed",
+        "the end token is seen only as the last token of a verdict",
+        "specdec/loop/scheduler.py",
+        "if token == request.end_id:",
+        "if token == request.end_id and position == len(verdict.token_ids) - 1:",
+    ),
+]
+
+
+def copy_project(into: Path) -> None:
+    for name in ("specdec", "tests"):
+        shutil.copytree(
+            PROJECT_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(PROJECT_ROOT / "pyproject.toml", into / "pyproject.toml")
+    (into / "models").symlink_to(PROJECT_ROOT / "models")
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    path = root / mutant.path
+    text = path.read_text()
+    found = text.count(mutant.old)
+    if found != 1:
+        raise SystemExit(f"{mutant.name}: expected its text once in {mutant.path}, found {found}")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def run_tests(root: Path, tests: tuple[str, ...], stop_first: bool) -> tuple[int, list[str], float]:
+    """pytest on the copy (its specdec/ first on the path); the exit code, the failed
+    tests and the seconds it took."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests]
+    if stop_first:
+        command.insert(3, "-x")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    failed = re.findall(r"^FAILED (\S+)", done.stdout, flags=re.MULTILINE)
+    return done.returncode, failed, time.monotonic() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--all-tests", action="store_true", help="run every test, not -x")
+    args = parser.parse_args()
+    if args.list:
+        for mutant in MUTANTS:
+            print(f"{mutant.name:24} {mutant.path}: {mutant.what}")
+        return 0
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants {sorted(unknown)}; --list shows them")
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
+        baseline = Path(scratch) / "baseline"
+        copy_project(baseline)
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        code, failed, seconds = run_tests(baseline, tests, stop_first=False)
+        if code != 0:
+            print(f"the unchanged copy fails ({code}): {failed}; no verdict", file=sys.stderr)
+            return 2
+        print(f"unchanged: {len(tests)} test files pass ({seconds:.0f} s)", flush=True)
+        survived = []
+        for mutant in chosen:
+            root = Path(scratch) / mutant.name
+            copy_project(root)
+            apply(mutant, root)
+            code, failed, seconds = run_tests(root, mutant.tests, not args.all_tests)
+            if code == 1 and failed:
+                verdict = f"caught by {', '.join(failed)}"
+            elif code == 0:
+                verdict, survived = "SURVIVED: every test passed", survived + [mutant.name]
+            else:
+                verdict, survived = f"void: pytest exited {code}", survived + [mutant.name]
+            print(f"{mutant.name:24} {seconds:5.0f} s  {verdict}", flush=True)
+            shutil.rmtree(root)
+    if survived:
+        print(f"not caught: {', '.join(survived)}", file=sys.stderr)
+        return 1
+    print(f"all {len(chosen)} mutants caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
