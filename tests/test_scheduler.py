@@ -86,6 +86,23 @@ def test_end_token_stops_and_is_not_emitted():
     assert s.token_ids[2:] == expected[:first_end]
 
 
+def test_an_end_token_among_accepted_draft_tokens_ends_the_row(monkeypatch):
+    """With a draft that is always right, an end token mostly arrives as an accepted draft
+    token, not as the verdict's last one: it still ends the row there, at every position."""
+    monkeypatch.setattr(fakes, "draft_guess", fakes.oracle_next)
+    expected = oracle_continuation([4, 4], 30)
+    for position in range(1, 12):
+        end_id = expected[position]
+        scheduler, _ = make_scheduler()
+        s = scheduler.submit(
+            request([4, 4], 30, end_id=end_id, num_draft_tokens=4, fixed_num_draft_tokens=True)
+        )
+        run_all(scheduler)
+        assert s.finish_reason == "end"
+        assert s.token_ids[2:] == expected[: expected.index(end_id)]
+        assert s.stats.num_accepted_draft_tokens == s.stats.num_draft_tokens  # always right
+
+
 def test_stop_word_ends_generation_with_the_word_included():
     expected = oracle_continuation([9], 40)
     text = fake_decode(expected)
