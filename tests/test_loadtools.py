@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 from test_openai_api import api  # noqa: F401 - the fixture: the API on the test server
 
+from specdec.client import scrape_metrics, wait_until_idle
 from specdec.paths import PROJECT_ROOT
+from specdec.serving.metric_names import LOOP_PARTS
 
 pytestmark = pytest.mark.server
+B_STREAMS = 11  # the bench's second-server streams: more than the self-draft server's 8 slots
 
 
 def test_make_loadtest_smoke_interleaves_modes_and_agrees_with_the_server(server, tmp_path: Path):
@@ -190,9 +193,18 @@ def test_short_soak_has_no_failures_and_flat_memory(server, tmp_path: Path):
     assert completed.returncode == 0
 
 
-def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
+def requests_finished(metrics_url: str) -> float:
+    """Requests the server has finished, every outcome."""
+    values = scrape_metrics(metrics_url)
+    return sum(v for k, v in values.items() if k.startswith("specdec_requests_total"))
+
+
+def test_bench_interleaves_modes_and_counts_tokens(server, self_draft_server, tmp_path: Path):
     """`make bench` in miniature: both modes, two windows each, figures from the server;
-    then k = 0 against a second server (here the same one: --url-b), in mirrored windows."""
+    then k = 0 against a second server in mirrored windows: the self-draft server (--url-b),
+    whose 8 slots cap its batch below the 11 streams the first one (32 slots) runs at once."""
+    wait_until_idle(self_draft_server.metrics_url)
+    finished_b = requests_finished(self_draft_server.metrics_url)
     subprocess.run(
         [
             sys.executable,
@@ -212,17 +224,17 @@ def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
             "--max-tokens",
             "16",
             "--url-b",
-            server.url,
+            self_draft_server.url,
             "--metrics-url-b",
-            server.metrics_url,
+            self_draft_server.metrics_url,
             "--b-concurrency",
-            "2",
+            str(B_STREAMS),
             "--name",
             "bench-ci",
             "--out-dir",
             str(tmp_path),
         ],
-        timeout=300,
+        timeout=480,  # a hang guard: 11 streams on a loaded 2-core machine are slow
         cwd=PROJECT_ROOT,
         check=True,
     )
@@ -248,19 +260,34 @@ def test_bench_interleaves_modes_and_counts_tokens(server, tmp_path: Path):
     with (tmp_path / "bench-ci.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 4 + 2
     assert (tmp_path / "bench-ci.png").stat().st_size > 0
+    check_the_sides(report, requests_finished(self_draft_server.metrics_url) - finished_b)
+
+
+def check_the_sides(report: dict, finished_on_b: float) -> None:
+    """The second-server comparison: A (k0) on the test server, B (k0-b) on the self-draft
+    server, each side's figures its own server's. `finished_on_b`: what B's server counted."""
     sides = {r["mode"]: r for r in report["levels"] if r["workload"] == "env-b"}
-    assert set(sides) == {"k0", "k0-b"} and report["meta"]["second_server"]["concurrency"] == 2
+    assert set(sides) == {"k0", "k0-b"}
+    assert report["meta"]["second_server"]["concurrency"] == B_STREAMS
     for level in sides.values():
-        assert level["concurrency"] == 2 and level["num_errors"] == 0
-        assert level["num_requests"] >= 2 and len(level["window_tokens_per_s"]) == 2
+        assert level["concurrency"] == B_STREAMS and level["num_errors"] == 0
+        assert level["num_requests"] >= 1 and len(level["window_tokens_per_s"]) == 2
         assert level["tokens_per_s"] > 0 and level["target_ms_per_iteration"] > 0
         assert level["draft_tokens_per_output_token"] == 0  # k = 0 on both sides
+    # B never runs more rows than its 8 slots (k = 0: a token per row and iteration); A runs
+    # nearly all 11 streams at once.
+    assert sides["k0-b"]["tokens_per_iteration"] <= 8
+    assert sides["k0"]["tokens_per_iteration"] > 8
+    # B's server finished B's requests (those counted, a lead-in per stream in each of its
+    # two windows, bench's warm-up) and none of A's.
+    assert finished_on_b == sides["k0-b"]["num_requests"] + 2 * B_STREAMS + 1
 
 
 def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path):
     """The same prompt through k = 0 and prompt lookup: k = 0 drafts nothing and its
     iterations emit one token each; every mode's loop parts add up to time spent."""
     out = tmp_path / "profile.json"
+    wait_until_idle(server.metrics_url)  # its counters must see this test's requests alone
     subprocess.run(
         [
             sys.executable,
@@ -287,10 +314,19 @@ def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path)
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"k0", "ngram"}
     k0, ngram = rows["k0"], rows["ngram"]
-    assert k0["output_tokens"] == ngram["output_tokens"] > 0  # greedy, float32: the same text
+    # One prompt on one stream, the server otherwise idle: its counters count exactly that
+    # request, which runs to max_tokens (no end token in the first 24).
+    for row in rows.values():
+        assert row["output_tokens"] == row["emitted_tokens"] == 24
     assert k0["ngram_draft_tokens"] == k0["draft_model_draft_tokens"] == 0
-    assert k0["tokens_per_iteration"] == pytest.approx(1.0, abs=0.1)
+    assert k0["iterations"] == 24 and k0["tokens_per_iteration"] == 1.0  # a token each
     assert ngram["draft_model_draft_tokens"] == 0
-    assert ngram["ngram_accepted"] <= ngram["ngram_draft_tokens"]
+    assert 0 < ngram["ngram_accepted"] <= ngram["ngram_draft_tokens"]
+    # each iteration emits its accepted tokens and one of the target's
+    assert ngram["iterations"] + ngram["ngram_accepted"] == 24
     for row in rows.values():
         assert row["target_ms_per_iteration"] > 0 and row["respond_ms_per_iteration"] > 0
+        # The loop's parts fit in the time the client waited for the request (give or take
+        # the last hand-over, counted after the client had its answer).
+        loop_ms = sum(row[f"{p}_ms_per_iteration"] for p in LOOP_PARTS) * row["iterations"]
+        assert loop_ms / 1000 <= row["output_tokens"] / row["tokens_per_s"] + 0.05
