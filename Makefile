@@ -69,7 +69,7 @@ engines: models
 test: models haproxy
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=25
 
 test-unit: venv
 	$(PY) -m pytest -ra -m "not server"
