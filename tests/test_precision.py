@@ -19,6 +19,7 @@ from specdec.engines.greedy_parity import (
     greedy_top2,
     precision_moves,
     token_divergences,
+    verify_chunks,
 )
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.select import create_engine, engine_dtype, resolve_dtype
@@ -178,6 +179,15 @@ def test_tie_margin_holds_for_a_live_verify_measurement(engines, live_prompt):
     ]
     assert len(moves) == 14 * (LIVE_TOKENS - 1)
     assert_margin(TIE_MARGIN, MEASURED_VERIFY_MOVE, max(moves))
+
+
+def test_verify_chunks_feed_every_token_but_the_last_once():
+    for width in (1, 5, 9):
+        for offset in range(width):
+            chunks = verify_chunks(12, width, offset)
+            assert chunks[0][0] == 0 and chunks[-1][1] == 11  # the last token is never fed
+            assert all(a == b for (_, a), (b, _) in zip(chunks, chunks[1:], strict=False))
+            assert chunks[0][1] == (offset or width) and all(b - a <= width for a, b in chunks)
 
 
 def test_a_verify_of_one_token_is_a_single_step(engines, live_prompt):
