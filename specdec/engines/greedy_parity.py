@@ -57,14 +57,14 @@ class SingleSteps:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.fed: list[int] = []  # the tokens in slot 0
-        self.logits: list[torch.Tensor] = []  # (V,) float32 after self.fed[:P + i + 1]
+        self.logits: list[torch.Tensor] = []  # (V,) float32 after self.fed[:P + i]
         self.prompt_length = 0
 
     @torch.inference_mode()
     def along(self, prompt_ids: list[int], output_ids: list[int], count: int) -> torch.Tensor:
         """(count, V): the logits that choose output positions 0..count-1, each after
         prompt + output[:position]."""
-        wanted = list(prompt_ids) + list(output_ids[: count - 1])
+        wanted = list(prompt_ids) + list(output_ids[: max(count - 1, 0)])
         same = 0
         limit = min(len(wanted), len(self.fed))
         while same < limit and wanted[same] == self.fed[same]:
