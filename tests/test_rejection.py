@@ -156,7 +156,6 @@ def test_wrong_rules_fail_the_same_check(rule, proposer):
     except AssertionError as error:  # a token of target probability 0 was emitted
         assert "probability 0" in str(error)
         return
-    print(rule.__name__, proposer, stat, critical)
     assert stat > critical, (stat, critical)
 
 
@@ -166,15 +165,15 @@ def test_identical_draft_is_always_accepted():
         draft_ids: list[int] = []
         for _ in range(3):
             draft_ids.append(sample_token(row_of(TARGET_ROWS, draft_ids), generator))
-        target_probs = torch.stack([row_of(TARGET_ROWS, draft_ids[:i]) for i in range(4)])
+        target_probs = rows_along(TARGET_ROWS, draft_ids, 4)
         verdict = rejection_sample(draft_ids, target_probs[:3], target_probs, generator)
         assert verdict.num_accepted == 3
         assert len(verdict.token_ids) == 4
 
 
 def test_seeded_rejection_is_deterministic():
-    target_probs = torch.stack([row_of(TARGET_ROWS, [2, 0][:i]) for i in range(3)])
-    draft_probs = torch.stack([row_of(DRAFT_ROWS, [2, 0][:i]) for i in range(2)])
+    target_probs = rows_along(TARGET_ROWS, [2, 0], 3)
+    draft_probs = rows_along(DRAFT_ROWS, [2, 0], 2)
 
     def run(seed):
         generator = torch.Generator().manual_seed(seed)
