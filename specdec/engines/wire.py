@@ -101,6 +101,11 @@ class EngineResult:
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the call returned: what crosses from the engine model to the loop."""
+        return sum(array.nbytes for array in self.to_arrays().values())
+
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineResult:
         return cls(**{f.name: arrays[f.name] for f in fields(cls)})

@@ -52,6 +52,33 @@ class IterationStats:
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
     draft_seconds: float = 0.0  # the proposers' calls (0 when no row drafted)
     target_seconds: float = 0.0  # the target's call
+    num_draft_calls: int = 0
+    draft_result_bytes: int = 0  # what the draft calls returned
+    target_result_bytes: int = 0  # what the target call returned
+
+
+class MeteredEngines:
+    """The loop's engines, counting the bytes each call returns (IterationStats)."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+        self.num_draft_calls = 0
+        self.draft_result_bytes = 0
+
+    def draft(self, batch: EngineBatch) -> EngineResult:
+        result = self.engines.draft(batch)
+        self.num_draft_calls += 1
+        self.draft_result_bytes += result.nbytes
+        return result
+
+    def target(self, batch: EngineBatch) -> EngineResult:
+        return self.engines.target(batch)
+
+    def take_draft_counts(self) -> tuple[int, int]:
+        """(calls, bytes) of the draft since the last take."""
+        counts = (self.num_draft_calls, self.draft_result_bytes)
+        self.num_draft_calls = self.draft_result_bytes = 0
+        return counts
 
 
 class SpeculativeScheduler:
@@ -62,12 +89,13 @@ class SpeculativeScheduler:
         decode: Decode,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        self.engines = engines
+        self.engines = MeteredEngines(engines)
         self.config = config
         self.admission = Admission(config.num_slots, config.max_queue, decode, clock)
         self.target_cost = CostCurve()  # the target call's seconds by tokens verified
         self.proposers: dict[str, Proposer] = {
-            name: REGISTRY[name](config, engines, self.target_cost) for name in config.proposers
+            name: REGISTRY[name](config, self.engines, self.target_cost)
+            for name in config.proposers
         }
         self.policy = ProposerPolicy(config, self.proposers)
         self.last_plan: StepPlan | None = None
@@ -147,12 +175,16 @@ class SpeculativeScheduler:
         target_seconds = time.perf_counter() - start
         if not admitted:  # a prefill is not what a decode step costs
             self.target_cost.observe(len(target_batch.input_ids), target_seconds)
+        num_draft_calls, draft_bytes = self.engines.take_draft_counts()
         stats = IterationStats(
             batch_size=len(batch),
             num_waiting=len(self.admission.waiting),
             chosen_k=plan.chosen_k,
             draft_seconds=draft_seconds if plan.calls else 0.0,
             target_seconds=target_seconds,
+            num_draft_calls=num_draft_calls,
+            draft_result_bytes=draft_bytes,
+            target_result_bytes=result.nbytes,
         )
         updates = self._verify_and_commit(batch, plan, proposals, result, stats)
         if not admitted:  # a prefill is no steady step
