@@ -4,14 +4,18 @@ Each fake keeps a real per-slot cache of token lists and computes its answer fro
 cache holds, so wrong cache bookkeeping in the scheduler gives wrong tokens. Sampled rows
 (temperature > 0) get distributions that depend on the context too: the target's over three
 tokens around its greedy token, the draft's over three around its guess (one the target
-never emits), so a distribution taken from the wrong row or position changes the law of
-what the loop emits (tests/test_scheduler.py counts it).
+never emits). Both draw from them as the real engines do, by Gumbel-max with the row's seed
+and the token's position (specdec/engines/coupling.py), so a draw after the wrong prefix or
+at the wrong position changes the law of what the loop emits (tests/test_scheduler.py
+counts it).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from specdec.engines.coupling import gumbel_argmax
 from specdec.engines.wire import EngineBatch, EngineResult, hindsight_lengths
 
 VOCAB = 50
@@ -90,46 +94,49 @@ class FakeEngines:
         rows = self._append(self.draft_cache, batch)
         self.calls.append(("draft", len(rows)))
         self.input_lengths.append(("draft", batch.input_lengths.tolist()))
-        out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
-        probs = []  # sampled rows' distributions, k per row, in batch order
+        out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int32)
         guessed = hindsight_lengths(batch.input_lengths, batch.temperature)
-        hindsight = np.full((len(rows), max(guessed)), -1, dtype=np.int64)
+        hits = np.zeros(len(rows), dtype=np.int64)
         for r, held in enumerate(rows):
             for j in range(guessed[r]):  # each of the last fed tokens, from those before it
-                hindsight[r, j] = draft_guess(held[: len(held) - guessed[r] + j])
-            sampler = np.random.default_rng(int(batch.seeds[r]))  # as the real draft: its seed
+                fed_at = len(held) - guessed[r] + j
+                hits[r] |= int(draft_guess(held[:fed_at]) == held[fed_at]) << j
             for step in range(int(batch.num_steps[r])):
                 token = draft_guess(held)
                 if batch.temperature[r] > 0:
-                    probs.append(draft_distribution(held))
-                    token = int(sampler.choice(VOCAB, p=probs[-1] / probs[-1].sum()))
+                    token = sample(draft_distribution(held), int(batch.seeds[r]), len(held))
                 out[r, step] = token
                 if step + 1 < batch.num_steps[r]:
                     held.append(token)  # fed, as the real draft does
-        return EngineResult(out, stacked(probs), hindsight)
+        return EngineResult(out, hits if guessed.any() else np.zeros(0, dtype=np.int64))
 
     def target(self, batch: EngineBatch) -> EngineResult:
         rows = self._append(self.target_cache, batch)
         self.calls.append(("target", len(rows)))
         self.input_lengths.append(("target", batch.input_lengths.tolist()))
-        out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int64)
-        probs = []  # sampled rows' distributions, num_steps per row, in batch order
+        out = np.full((len(rows), int(batch.num_steps.max())), -1, dtype=np.int32)
         for r, held in enumerate(rows):
             n = int(batch.num_steps[r])
             for j in range(n):
                 prefix = held[: len(held) - n + 1 + j]
                 if batch.temperature[r] > 0:
-                    probs.append(target_distribution(prefix))
+                    out[r, j] = sample(
+                        target_distribution(prefix), int(batch.seeds[r]), len(prefix)
+                    )
                 else:
                     out[r, j] = oracle_next(prefix)
-        result = EngineResult(out, stacked(probs))
+        result = EngineResult(out)
         if batch.wants_log_probs().any():  # a log-probability that depends on the prefix only
             result.log_probs = np.where(out >= 0, -0.01 * (out + 1), 0).astype(np.float32)
         return result
 
 
-def stacked(rows: list[np.ndarray]) -> np.ndarray:
-    return np.stack(rows) if rows else np.zeros((0, VOCAB), dtype=np.float32)
+def sample(probs: np.ndarray, seed: int, position: int) -> int:
+    """The token at `position` drawn from `probs` with the sequence's noise, as the real
+    engines draw (the draft and the target alike)."""
+    with np.errstate(divide="ignore"):  # log(0) = -inf: never drawn
+        scores = torch.from_numpy(np.log(probs))[None]
+    return int(gumbel_argmax(scores, torch.tensor([seed]), torch.tensor([position]))[0])
 
 
 def fake_decode(token_ids) -> str:

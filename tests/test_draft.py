@@ -1,5 +1,5 @@
-"""The distilled draft: its reduced head, exact sampling with its real distribution, and the
-transformers wrapper used for assisted generation."""
+"""The distilled draft: its reduced head, exact coupled sampling with its real distribution,
+and the transformers wrapper used for assisted generation."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from conftest import DRAFT
+from specdec.engines.coupling import gumbel_argmax
 from specdec.engines.llama import LlamaEngine
-from specdec.engines.sampling import RowSampling, probs_from_logits, sample_token
-from specdec.loop.rejection import rejection_sample
+from specdec.engines.sampling import RowSampling, probs_from_logits
+from specdec.loop.verify import verify
 from stats import chi_square, critical_0_001
 
 
@@ -45,11 +46,12 @@ def test_draft_scores_only_its_head(draft_engine):
     assert float(probs[outside].sum()) == 0.0
 
 
-def test_rejection_with_the_real_draft_reproduces_the_target(draft_engine, target_dir):
+def test_coupled_sampling_with_the_real_draft_reproduces_the_target(draft_engine, target_dir):
     """Real distributions, temperature 0.7 and top-k 6 on both (small supports, so a
-    chi-square test can see a wrong rule), k = 1: the law of both emitted tokens, the
-    accepted-or-recovered one and the next (the bonus when the proposal is accepted), is
-    the target's."""
+    chi-square test can see a wrong rule), k = 1: the draft and the target draw with the
+    same keyed noise, verify() accepts the proposal if it is the target's own token, and
+    the law of both emitted tokens (the accepted-or-recovered one and the next: the bonus
+    when the proposal is accepted) is the target's."""
     target = LlamaEngine.from_checkpoint(target_dir, num_slots=1, max_length=128)
     context = [1, 504, 3575, 282, 4649, 314]
     processing = sampling(0.7, 6)
@@ -66,7 +68,7 @@ def test_rejection_with_the_real_draft_reproduces_the_target(draft_engine, targe
     reachable = (first > 0) | (draft_probs[0] > 0) | (torch.stack(list(after.values())) > 0).any(0)
     union = torch.nonzero(reachable).flatten()
     small = {int(v): i for i, v in enumerate(union)}  # token -> its index in the union
-    first_small, draft_small = first[union], draft_probs[:, union]
+    first_small, draft_small = first[union], draft_probs[0, union]
     after_small = {small[x]: row[union] for x, row in after.items()}
     cells = [
         (x, int(y)) for x, row in after_small.items() for y in torch.nonzero(row > 0).flatten()
@@ -74,22 +76,28 @@ def test_rejection_with_the_real_draft_reproduces_the_target(draft_engine, targe
     index = {cell: i for i, cell in enumerate(cells)}
     expected = torch.tensor([float(first_small[x] * after_small[x][y]) for x, y in cells])
 
-    generator = torch.Generator().manual_seed(5)
+    num_rounds = 20_000
+    seeds = torch.arange(num_rounds, dtype=torch.int64) * 31 + 5
+    position = len(context)
+
+    def draws(rows: torch.Tensor, offset: int) -> list[int]:
+        positions = torch.full((num_rounds,), position + offset)
+        return gumbel_argmax(rows.log(), seeds, positions).tolist()
+
+    proposals = draws(draft_small.expand(num_rounds, -1), 0)
+    own_first = draws(first_small.expand(num_rounds, -1), 0)
+    accepted = 0
     counts = torch.zeros(len(cells))
-    for _ in range(20_000):
-        proposal = sample_token(draft_small[0], generator)
-        # Row 1 is read only when the proposal is accepted, which needs first[proposal] > 0.
-        second = after_small.get(proposal, first_small)
-        verdict = rejection_sample(
-            [proposal], draft_small, torch.stack([first_small, second]), generator
-        )
-        emitted = verdict.token_ids
-        if len(emitted) == 1:  # rejected: the next round draws the next token from the target
-            emitted = emitted + [sample_token(after_small[emitted[0]], generator)]
-        counts[index[(emitted[0], emitted[1])]] += 1
+    verdicts = [verify([p], [t, -1]) for p, t in zip(proposals, own_first, strict=True)]
+    # Each round's second token: the target's own draw after its first emitted token.
+    seconds = draws(torch.stack([after_small[v.token_ids[0]] for v in verdicts]), 1)
+    for verdict, second in zip(verdicts, seconds, strict=True):
+        accepted += verdict.num_accepted
+        counts[index[(verdict.token_ids[0], second)]] += 1
     stat, dof = chi_square(counts, expected / expected.sum())
     assert dof == len(cells) - 1 and dof >= 20
     assert stat < critical_0_001(dof), (stat, dof)
+    assert 0 < accepted < num_rounds
 
 
 def test_transformers_wrapper_matches_the_engine(draft_engine):

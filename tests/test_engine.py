@@ -115,21 +115,41 @@ def test_greedy_draft_equals_greedy_target_steps(engine):
     )
     # The model proposing for itself agrees with its own verification at every position.
     assert scored.token_ids[0].tolist() == proposed
-    assert scored.probs.shape == (0, engine.config.vocab_size)
 
 
-def test_sampled_draft_is_seeded_and_returns_its_distributions(engine):
+def test_a_sampled_model_proposing_for_itself_is_always_accepted(engine):
+    """Sampled, the draft draws with the target's noise (seed, position): the same model
+    proposing for itself proposes exactly the target's own tokens, which lie in the top 40;
+    another seed draws other tokens. Only token ids come back."""
     sampled = dict(
         temperature=np.array([0.9], dtype=np.float32), top_k=np.array([40], dtype=np.int32)
     )
     first = run_draft(engine, batch(**sampled))
-    again = run_draft(engine, batch(**sampled))
-    assert first.token_ids.tolist() == again.token_ids.tolist()
-    assert first.probs.shape == (4, engine.config.vocab_size)
-    assert np.allclose(first.probs.sum(-1), 1.0, atol=1e-4)
-    assert ((first.probs > 0).sum(-1) <= 40).all()
-    for step, token in enumerate(first.token_ids[0]):
-        assert first.probs[step, token] > 0
+    assert first.token_ids.tolist() == run_draft(engine, batch(**sampled)).token_ids.tolist()
+    other = run_draft(engine, batch(seeds=np.array([2], dtype=np.int64), **sampled))
+    assert other.token_ids.tolist() != first.token_ids.tolist()
+    proposed = first.token_ids[0].tolist()
+    scored = run_target(
+        engine,
+        batch(
+            input_ids=np.array([1, 2, 3, 4, 5] + proposed[:3]),
+            input_lengths=np.array([8], dtype=np.int32),
+            return_log_probs=np.array([True]),
+            **sampled,
+        ),
+    )
+    assert scored.token_ids[0].tolist() == proposed
+    assert set(first.to_arrays()) == {"token_ids", "hindsight_hits", "log_probs"}
+    # Each token's log-probability under the top-40 distribution it was drawn from.
+    logits = engine.forward(
+        torch.tensor([1, 2, 3, 4, 5] + proposed[:3]), [8], [3], [0], [4]
+    )  # (4, V)
+    top = logits.float() / 0.9
+    kth = top.topk(40, dim=-1).values[:, -1:]
+    expected = torch.log_softmax(top.masked_fill(top < kth, float("-inf")), dim=-1)
+    expected = expected.gather(-1, torch.tensor(proposed)[:, None]).squeeze(-1)
+    assert np.allclose(scored.log_probs[0], expected.numpy(), atol=1e-4)
+    assert (expected > float("-inf")).all()
 
 
 def test_end_token_blocked_before_min_tokens(engine):
@@ -180,8 +200,11 @@ def test_unwritten_cache_memory_never_reaches_the_logits(target_dir, monkeypatch
 
 def test_draft_guesses_its_fed_tokens_and_may_propose_none(engine):
     # Row 0 catches up on 12 tokens and proposes nothing (a probe); row 1, sampled, proposes
-    # two, and the distributions returned are its two alone.
-    tokens = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2, 9]
+    # two.
+    tokens = [5, 9, 2, 7, 7, 1]  # then the model's own greedy tokens: guesses it gets right
+    for _ in range(6):
+        logits = engine.forward(torch.tensor(tokens), [len(tokens)], [2], [0], [1])
+        tokens.append(int(logits.argmax(-1)[0]))
     result = run_draft(
         engine,
         batch(
@@ -199,11 +222,15 @@ def test_draft_guesses_its_fed_tokens_and_may_propose_none(engine):
         ),
     )
     reference = engine.forward(torch.tensor(tokens), [12], [2], [0], [12]).argmax(-1)
-    assert result.hindsight(0) == reference[:11].tolist()  # the guesses of tokens 1..11
-    assert result.hindsight(1) == []  # sampled: its tokens are draws, nothing to guess
+    # The guesses of tokens 1..11, each against the token fed there.
+    expected = [
+        guess == fed for guess, fed in zip(reference[:11].tolist(), tokens[1:], strict=True)
+    ]
+    assert result.hindsight(0, 11) == expected
+    assert any(expected) and not all(expected)  # otherwise the test shows little
+    assert result.hindsight(1, 0) == []  # sampled: its tokens are draws, nothing to guess
     assert result.token_ids[0].tolist() == [-1, -1]
     assert (result.token_ids[1] >= 0).all()
-    assert result.probs.shape == (2, engine.config.vocab_size)
 
 
 def test_only_a_greedy_catch_up_is_guessed():

@@ -19,6 +19,7 @@ from conftest import DRAFT
 from specdec.engines.greedy_parity import TIE_MARGIN, token_divergences
 from specdec.engines.in_process import LocalEngines
 from specdec.engines.llama import LlamaEngine
+from specdec.engines.wire import EngineBatch, EngineResult
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState
@@ -77,12 +78,31 @@ def models(dtype, target_dir):
     return tokenizer, target, draft
 
 
+class ByteCountingEngines(LocalEngines):
+    """The real engines, recording for every call (role, rows, k, bytes returned)."""
+
+    def __init__(self, draft_engine: LlamaEngine, target_engine: LlamaEngine) -> None:
+        super().__init__(draft_engine, target_engine)
+        self.calls: list[tuple[str, int, int, int]] = []
+
+    def draft(self, batch: EngineBatch) -> EngineResult:
+        result = super().draft(batch)
+        self.calls.append(("draft", len(batch.slot_ids), int(batch.num_steps.max()), result.nbytes))
+        return result
+
+    def target(self, batch: EngineBatch) -> EngineResult:
+        result = super().target(batch)
+        k = int(batch.num_steps.max()) - 1  # it scores k + 1 positions
+        self.calls.append(("target", len(batch.slot_ids), k, result.nbytes))
+        return result
+
+
 def make_scheduler(models) -> SpeculativeScheduler:
     tokenizer, target, draft = models
     config = SchedulerConfig(
         NUM_SLOTS, MAX_CONTEXT, max_draft_tokens=8, default_draft_tokens=None, max_queue=64
     )
-    return SpeculativeScheduler(LocalEngines(draft, target), config, tokenizer.decode)
+    return SpeculativeScheduler(ByteCountingEngines(draft, target), config, tokenizer.decode)
 
 
 def make_request(models, index: int, **kw) -> GenerationRequest:
@@ -151,6 +171,14 @@ def check_in_support(target: LlamaEngine, sequence: SequenceState, margin: float
     assert outside == [], f"tokens outside the target's top {TOP_K} at positions {outside}"
 
 
+def check_only_tokens_returned(engines: ByteCountingEngines) -> None:
+    """Every engine call returned at most rows x (k + 1) x 16 bytes: token ids and
+    log-probabilities, no logits or distributions."""
+    assert {role for role, *_ in engines.calls} == {"draft", "target"}
+    over = [call for call in engines.calls if call[3] > call[1] * (call[2] + 1) * 16]
+    assert over == [], over
+
+
 def check_finish(sequence: SequenceState, cancelled: bool = False) -> None:
     if cancelled:
         assert sequence.finish_reason == "cancelled"
@@ -170,7 +198,10 @@ def test_greedy_and_sampled_rows_in_one_batch(models, dtype):
     scheduler = make_scheduler(models)
     requests = [make_request(models, i) for i in range(NUM_REQUESTS[dtype])]
     requests[TWINS].num_return_sequences = 2
+    for index in (0, 1):  # a greedy and a sampled row return log-probabilities
+        requests[index].return_log_probs = True
     sequences = run(scheduler, requests[:4], requests[4:], cancel=CANCELLED)
+    check_only_tokens_returned(scheduler.engines.engines)
     target = models[1]
     for sequence in sequences:
         check_finish(sequence, cancelled=sequence.request is requests[CANCELLED])
@@ -193,15 +224,17 @@ def test_greedy_and_sampled_rows_in_one_batch(models, dtype):
 
 def test_a_draft_equal_to_the_target_is_always_accepted(target_dir):
     """float32, the target as its own draft: greedy proposals are the target's own tokens,
-    so every one is accepted (a near-tie could cost one). A draft whose cache bookkeeping
-    is off by a position proposes from the wrong context and is rejected."""
+    and so are sampled ones (the draft draws with the target's noise), so every one is
+    accepted (a near-tie could cost one). A draft whose cache bookkeeping is off by a
+    position proposes from the wrong context and is rejected."""
     tokenizer = load_tokenizer(str(target_dir))
     target = LlamaEngine.from_checkpoint(target_dir, NUM_SLOTS, MAX_CONTEXT)
     self_draft = LlamaEngine.from_checkpoint(target_dir, NUM_SLOTS, MAX_CONTEXT)
     models = (tokenizer, target, self_draft)
     scheduler = make_scheduler(models)
-    requests = [make_request(models, i, **DRAFT_K4) for i in (0, 4)]
+    requests = [make_request(models, i, **DRAFT_K4) for i in (0, 4, 5)]  # 5 is sampled
     sequences = run(scheduler, requests)
+    assert not sequences[2].request.greedy
     for sequence in sequences:
         check_finish(sequence)
         check_greedy(target, sequence, torch.float32)

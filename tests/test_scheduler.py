@@ -371,3 +371,41 @@ def test_sampled_rows_follow_the_target_with_prompt_lookup():
     run_all(scheduler, limit=100_000)
     assert sum(s.stats.num_draft_tokens for s in sequences) > 0
     assert_follows_the_target([tuple(s.token_ids[6:]) for s in sequences], prompt, 3)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_seeded_sampling_does_not_depend_on_the_drafter(batched):
+    """A seeded sampled request gets the same tokens with speculation off, at k = 1 and 3
+    from the draft model, from prompt lookup, and adaptively; alone or among other rows
+    (every emitted token is the target's own draw at its position)."""
+    prompt = [4, 4, 4, 4, 4, 4]
+    settings = {
+        "off": dict(num_draft_tokens=0),
+        "draft k=1": dict(num_draft_tokens=1, fixed_num_draft_tokens=True, proposer="draft_model"),
+        "draft k=3": dict(num_draft_tokens=3, fixed_num_draft_tokens=True, proposer="draft_model"),
+        "lookup k=3": dict(num_draft_tokens=3, fixed_num_draft_tokens=True, proposer="ngram"),
+        "adaptive": {},
+    }
+    outputs = {}
+    for name, drafting in settings.items():
+        scheduler, _ = make_scheduler(num_slots=8, k=3)
+        others = []
+        if batched:
+            others = [
+                scheduler.submit(request([9, i], 30, temperature=0.7, seed=100 + i))
+                for i in range(5)
+            ]
+        s = scheduler.submit(request(prompt, 30, temperature=1.0, seed=1234, **drafting))
+        run_all(scheduler)
+        outputs[name] = s.token_ids[len(prompt) :]
+        if name.startswith("draft"):
+            assert s.stats.num_accepted_draft_tokens > 0
+        if name.startswith("lookup"):
+            assert s.stats.num_draft_tokens > 0
+        assert all(o.num_output_tokens == 30 for o in others)
+    assert len(outputs["off"]) == 30
+    assert all(tokens == outputs["off"] for tokens in outputs.values()), outputs
+    scheduler, _ = make_scheduler()
+    other_seed = scheduler.submit(request(prompt, 30, temperature=1.0, seed=1235))
+    run_all(scheduler)
+    assert other_seed.token_ids[len(prompt) :] != outputs["off"]

@@ -109,12 +109,16 @@ def test_non_streamed_output_starts_with_the_prompt(server, model):
     assert full.text == prompt + new.text
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_self_draft_accepts_everything(self_draft_server, k):
+@pytest.mark.parametrize(("k", "temperature"), [(1, 0.0), (4, 0.0), (4, 0.9)])
+def test_self_draft_accepts_everything(self_draft_server, k, temperature):
+    """The target as its own draft: greedy proposals are its argmax, sampled ones its own
+    draws (the same noise), so every proposal is accepted."""
     num_passes = 6
     result = generate(
         PROMPTS[3],
         url=self_draft_server.url,
+        temperature=temperature,
+        seed=5,
         max_tokens=num_passes * (k + 1),
         num_draft_tokens=k,
         fixed_num_draft_tokens=True,
@@ -148,21 +152,34 @@ def test_perf_metrics_cover_the_whole_request(server):
     )
 
 
-def test_seeded_sampling_is_reproducible(server):
-    params = dict(
-        max_tokens=32,
-        temperature=0.9,
-        top_p=0.95,
-        num_draft_tokens=3,
-        fixed_num_draft_tokens=True,
-        exclude_input_in_output=True,
-    )
-    first = generate(PROMPTS[3], url=server.url, seed=1234, **params)
-    again = generate(PROMPTS[3], url=server.url, seed=1234, **params)
-    other = generate(PROMPTS[3], url=server.url, seed=99, **params)
-    assert first.error is None
-    assert first.text == again.text
-    assert first.text != other.text
+SEEDED = dict(max_tokens=32, temperature=0.9, top_p=0.95, exclude_input_in_output=True)
+DRAFTERS = {
+    "off": dict(num_draft_tokens=0),
+    "draft k=1": dict(proposer="draft_model", num_draft_tokens=1, fixed_num_draft_tokens=True),
+    "draft k=4": dict(proposer="draft_model", num_draft_tokens=4, fixed_num_draft_tokens=True),
+    "lookup k=8": dict(proposer="ngram", num_draft_tokens=8, fixed_num_draft_tokens=True),
+    "adaptive": {},
+}
+
+
+def test_seeded_sampling_does_not_depend_on_the_drafter(server):
+    """A seeded sampled request gets the same text with speculation off, at k = 1 and 4
+    from the draft model, from prompt lookup and adaptively, alone and in a batch of other
+    requests (float32: token for token); another seed gets other text."""
+    texts: dict[tuple[str, bool], str] = {}
+    for name, drafting in DRAFTERS.items():
+        alone = generate(PROMPTS[3], url=server.url, seed=1234, **SEEDED, **drafting)
+        assert alone.error is None, alone.error
+        texts[name, False] = alone.text
+        others = [(p, dict(SEEDED, seed=7 + i)) for i, p in enumerate(PROMPTS[:5])]
+        batch = run_concurrently(
+            server.url, "ensemble", [(PROMPTS[3], dict(SEEDED, seed=1234, **drafting)), *others]
+        )
+        assert all(r.error is None for r in batch)
+        texts[name, True] = batch[0].text
+    assert len(set(texts.values())) == 1, texts
+    other = generate(PROMPTS[3], url=server.url, seed=99, **SEEDED)
+    assert other.text != texts["off", False]
 
 
 def test_model_control_is_refused(server):

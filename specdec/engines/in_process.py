@@ -9,25 +9,23 @@ import numpy as np
 import torch
 
 from specdec.engines.llama import LlamaEngine
-from specdec.engines.sampling import (
-    RowSampling,
-    block_end_tokens,
-    greedy_tokens,
-    probs_from_logits,
-    sample_token,
-)
+from specdec.engines.sampling import RowSampling, choose_tokens
 from specdec.engines.wire import EngineBatch, EngineResult, hindsight_lengths
 
 
-def rows_sampling(batch: EngineBatch, rows: np.ndarray, positions: np.ndarray) -> RowSampling:
-    """Sampling parameters for logits rows taken from batch rows `rows` at `positions`."""
-    return RowSampling(
+def rows_sampling(
+    batch: EngineBatch, rows: np.ndarray, steps: np.ndarray, device: torch.device | str = "cpu"
+) -> RowSampling:
+    """Sampling parameters for logits rows taken from batch rows `rows` at their `steps`-th
+    position of this call (the end token is blocked below min_tokens_left)."""
+    sampling = RowSampling(
         temperature=torch.from_numpy(batch.temperature[rows].astype(np.float32)),
         top_k=torch.from_numpy(batch.top_k[rows].astype(np.int64)),
         top_p=torch.from_numpy(batch.top_p[rows].astype(np.float32)),
         end_id=torch.from_numpy(batch.end_ids[rows].astype(np.int64)),
-        block_end=torch.from_numpy(positions < batch.min_tokens_left[rows]),
+        block_end=torch.from_numpy(steps < batch.min_tokens_left[rows]),
     )
+    return sampling.to(device)
 
 
 def apply_copies(engine, batch: EngineBatch) -> None:
@@ -40,20 +38,38 @@ def apply_copies(engine, batch: EngineBatch) -> None:
             engine.copy_slot(int(src), int(dst), int(length))
 
 
-def _empty_result(batch: EngineBatch, vocab_size: int) -> EngineResult:
+def _empty_result(batch: EngineBatch) -> EngineResult:
     width = int(batch.num_steps.max()) if batch.num_steps.size else 0
-    num_rows = len(batch.slot_ids)
-    return EngineResult(
-        token_ids=np.full((num_rows, width), -1, dtype=np.int64),
-        probs=np.zeros((0, vocab_size), dtype=np.float32),
-        hindsight_ids=np.zeros((num_rows, 0), dtype=np.int64),
+    return EngineResult(token_ids=np.full((len(batch.slot_ids), width), -1, dtype=np.int32))
+
+
+def _choose(
+    logits: torch.Tensor,  # (R, V) on the engine's device
+    batch: EngineBatch,
+    rows: np.ndarray,  # (R,) the batch row of each logits row
+    steps: np.ndarray,  # (R,) its step in this call
+    positions: np.ndarray,  # (R,) the chosen token's position in its sequence
+    with_log_probs: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tokens (R,) int32 and, where rows ask, their log-probabilities (R,) float32: chosen
+    where the logits are; only these numbers come back to the host."""
+    wanted = torch.from_numpy(batch.wants_log_probs()[rows]) if with_log_probs else None
+    tokens, log_probs = choose_tokens(
+        logits,
+        rows_sampling(batch, rows, steps, logits.device),
+        torch.from_numpy(batch.seeds[rows].astype(np.int64)),
+        torch.from_numpy(positions.astype(np.int64)),
+        None if wanted is None else wanted.to(logits.device),
     )
+    values = None if log_probs is None else log_probs.cpu().numpy()
+    return tokens.cpu().numpy().astype(np.int32), values
 
 
 def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
-    """Appends the rows' tokens and scores their last num_steps positions."""
+    """Appends the rows' tokens and chooses the target's token at their last num_steps
+    positions."""
     apply_copies(engine, batch)
-    result = _empty_result(batch, engine.config.vocab_size)
+    result = _empty_result(batch)
     logits = engine.forward(
         torch.from_numpy(batch.input_ids.astype(np.int64)),
         batch.input_lengths.tolist(),
@@ -62,45 +78,22 @@ def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
         batch.num_steps.tolist(),
     )  # (sum num_steps, V)
     rows = np.repeat(np.arange(len(batch.slot_ids)), batch.num_steps)
-    positions = np.concatenate([np.arange(n) for n in batch.num_steps])
-    sampling = rows_sampling(batch, rows, positions)
-    greedy = sampling.temperature == 0
-    if bool(greedy.any()):
-        picked = torch.nonzero(greedy).flatten()
-        tokens = greedy_tokens(logits[picked], sampling.select(picked)).numpy()
-        result.token_ids[rows[picked.numpy()], positions[picked.numpy()]] = tokens
-        _greedy_log_probs(result, batch, logits, sampling, rows, positions)
-    if bool((~greedy).any()):
-        picked = torch.nonzero(~greedy).flatten()
-        probs = probs_from_logits(logits[picked], sampling.select(picked))
-        result.probs = probs.numpy()
+    steps = np.concatenate([np.arange(n) for n in batch.num_steps]).astype(np.int64)
+    # Logits after the fed token at position p choose the token at p + 1.
+    fed = batch.cache_lengths.astype(np.int64) + batch.input_lengths - batch.num_steps
+    tokens, log_probs = _choose(logits, batch, rows, steps, fed[rows] + steps + 1, True)
+    result.token_ids[rows, steps] = tokens
+    if log_probs is not None:
+        result.log_probs = np.zeros(result.token_ids.shape, dtype=np.float32)
+        result.log_probs[rows, steps] = log_probs
     return result
-
-
-def _greedy_log_probs(result, batch, logits, sampling, rows, positions) -> None:
-    """log_probs of the greedy rows that ask: the log-softmax (temperature 1, the end token
-    blocked where min_tokens says so) at the argmax each position emits."""
-    wanted = batch.wants_log_probs()[rows] & (batch.temperature[rows] == 0)
-    if not wanted.any():
-        return
-    index = np.nonzero(wanted)[0]
-    picked = torch.from_numpy(index)
-    chosen = block_end_tokens(logits[picked].float(), sampling.select(picked))
-    log_probs = torch.log_softmax(chosen, dim=-1)  # (R, V)
-    tokens = torch.from_numpy(result.token_ids[rows[index], positions[index]])
-    result.log_probs = np.zeros(result.token_ids.shape, dtype=np.float32)
-    values = log_probs.gather(-1, tokens[:, None]).squeeze(-1).numpy()
-    result.log_probs[rows[index], positions[index]] = values
 
 
 def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     """Appends the rows' tokens, guesses the last fed ones in hindsight, then proposes
     num_steps tokens per row (0: none), one step at a time."""
     apply_copies(engine, batch)
-    result = _empty_result(batch, engine.config.vocab_size)
-    num_rows = len(batch.slot_ids)
-    generators = [torch.Generator().manual_seed(int(s)) for s in batch.seeds]
-    sampled_probs: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
+    result = _empty_result(batch)
     cache_lengths = (batch.cache_lengths + batch.input_lengths).astype(np.int64)
     hindsight = hindsight_lengths(batch.input_lengths, batch.temperature)
     logits = engine.forward(
@@ -112,21 +105,12 @@ def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     )  # (sum(hindsight + 1), V): the hindsight positions, then each row's last position
     ends = np.cumsum(hindsight + 1)
     if hindsight.max(initial=0) > 0:
-        guesses = logits.argmax(dim=-1).numpy()
-        result.hindsight_ids = np.full((num_rows, int(hindsight.max())), -1, dtype=np.int64)
-        for r in np.nonzero(hindsight)[0]:
-            result.hindsight_ids[r, : hindsight[r]] = guesses[
-                ends[r] - 1 - hindsight[r] : ends[r] - 1
-            ]
+        result.hindsight_hits = _hindsight_hits(batch, logits, hindsight, ends)
     rows = np.nonzero(batch.num_steps > 0)[0]
-    logits = logits[torch.from_numpy(ends[rows] - 1)]  # (rows, V)
+    logits = logits[torch.from_numpy(ends[rows] - 1).to(logits.device)]  # (rows, V)
     for step in range(int(batch.num_steps.max(initial=0))):
-        sampling = rows_sampling(batch, rows, np.full(len(rows), step))
-        tokens = greedy_tokens(logits, sampling).numpy()
-        for i in np.nonzero(batch.temperature[rows] > 0)[0]:
-            probs = probs_from_logits(logits[i : i + 1], sampling.select(torch.tensor([i])))[0]
-            tokens[i] = sample_token(probs, generators[rows[i]])
-            sampled_probs[rows[i]].append(probs)
+        steps = np.full(len(rows), step)
+        tokens, _ = _choose(logits, batch, rows, steps, cache_lengths[rows])
         result.token_ids[rows, step] = tokens
         more = batch.num_steps[rows] > step + 1
         rows, tokens = rows[more], tokens[more]
@@ -140,10 +124,25 @@ def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
             [1] * len(rows),
         )
         cache_lengths[rows] += 1
-    flat = [p for row in sampled_probs for p in row]
-    if flat:
-        result.probs = torch.stack(flat).numpy()
     return result
+
+
+def _hindsight_hits(
+    batch: EngineBatch, logits: torch.Tensor, hindsight: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
+    """(B,) int64 bit masks: the draft's argmax after each of a catching-up row's fed tokens
+    against the fed token that followed it (see EngineResult.hindsight_hits)."""
+    guesses = logits.argmax(dim=-1).cpu().numpy()
+    starts = np.cumsum(batch.input_lengths) - batch.input_lengths
+    hits = np.zeros(len(batch.slot_ids), dtype=np.int64)
+    for r in np.nonzero(hindsight)[0]:
+        n = int(hindsight[r])
+        guessed = guesses[ends[r] - 1 - n : ends[r] - 1]
+        fed = batch.input_ids[
+            starts[r] + batch.input_lengths[r] - n : starts[r] + batch.input_lengths[r]
+        ]
+        hits[r] = int(sum(1 << j for j in np.nonzero(guessed == fed)[0]))
+    return hits
 
 
 class LocalEngines:

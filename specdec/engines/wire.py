@@ -4,14 +4,16 @@ Both engine models take the same tensors and return the same tensors; only the w
 - draft:  append each row's new tokens to its slot, then propose `num_steps` tokens one at a
           time (all k steps inside one call: one Triton call per draft step would eat the gain).
           A greedy row that catches up (fed more than 2 tokens) also gets, for up to
-          HINDSIGHT_TOKENS of them, the draft's argmax guess of each from the tokens before
-          it: how often it would have agreed with what plain decoding produced, without a
-          verify.
-- target: append each row's new tokens (pending tokens + the draft's proposals) and return,
-          for the row's last `num_steps` positions, the target argmax (greedy rows) or the
-          target distribution (sampled rows); for greedy rows that ask (return_log_probs),
-          also the argmax's log-probability.
-Probabilities cross the model boundary only for sampled rows.
+          HINDSIGHT_TOKENS of them, whether the draft's argmax guess of each from the tokens
+          before it was right: how often it would have agreed with what plain decoding
+          produced, without a verify.
+- target: append each row's new tokens (pending tokens + the proposals) and return the
+          target's own token at the row's last `num_steps` positions: the argmax (greedy
+          rows) or a draw (sampled rows); for rows that ask (return_log_probs), also its
+          log-probability.
+Only tokens leave an engine, never logits or distributions: a sampled row's draws use noise
+keyed by the row's seed and the token's position (specdec/engines/coupling.py), the same in
+both engines, so a proposal is accepted exactly when it equals the target's token.
 Before either runs, the call copies cache prefixes between slots (copy_*): the sequences a
 request asks for with num_return_sequences share its prompt's cache, filled once.
 
@@ -39,7 +41,7 @@ class EngineBatch:
     top_p: np.ndarray  # (B,) float32
     end_ids: np.ndarray  # (B,) int32, -1 = none
     min_tokens_left: np.ndarray  # (B,) int32, the end token is blocked at positions below this
-    seeds: np.ndarray  # (B,) int64, the draft's sampling seed for this call
+    seeds: np.ndarray  # (B,) int64, each row's sequence's seed: its sampling noise
     # Optional: an empty default is left out of the Triton call.
     return_log_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.bool_))
     copy_src_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
@@ -62,14 +64,15 @@ class EngineBatch:
         return cls(**{n: np.asarray(arrays[n]).reshape(-1) for n in names if n in arrays})
 
     def wants_log_probs(self) -> np.ndarray:
-        """(B,) bool: rows whose greedy tokens come with their log-probability."""
+        """(B,) bool: rows whose tokens come with their log-probability."""
         if not self.return_log_probs.size:
             return np.zeros(len(self.slot_ids), dtype=np.bool_)
         return self.return_log_probs.astype(np.bool_)
 
 
 # The most fed tokens per row the draft guesses in hindsight: enough samples for the
-# acceptance estimate from one catch-up, while the reduced head over them stays cheap.
+# acceptance estimate from one catch-up, while the reduced head over them stays cheap (and
+# their hits fit one int64).
 HINDSIGHT_TOKENS = 32
 
 
@@ -88,14 +91,13 @@ OPTIONAL_BATCH_FIELDS = ("return_log_probs", "copy_src_slots", "copy_dst_slots",
 
 @dataclass
 class EngineResult:
-    token_ids: np.ndarray  # (B, max num_steps) int64, -1 where a row has no token
-    probs: np.ndarray  # (P, V) float32, sampled rows' distributions, rows in order
-    # (B, L) int64, draft only: row r's first n entries (n: those >= 0) are its argmax
-    # guesses of its last n fed tokens, in order, each from the tokens before it
-    # (n = hindsight_lengths(...)[r]).
-    hindsight_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
-    # (B, max num_steps) float32, target only: log-probability of token_ids[r, j] for greedy
-    # rows with return_log_probs (0 elsewhere); (0, 0) when no row asked.
+    token_ids: np.ndarray  # (B, max num_steps) int32, -1 where a row has no token
+    # (B,) int64, draft only: bit j of row r says whether the draft's argmax guess of the
+    # j-th of its last n fed tokens (oldest first), from the tokens before it, was right
+    # (n = hindsight_lengths(...)[r]); (0,) when no row guessed.
+    hindsight_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # (B, max num_steps) float32, target only: log-probability of token_ids[r, j] for rows
+    # with return_log_probs (0 elsewhere); (0, 0) when no row asked.
     log_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -108,14 +110,15 @@ class EngineResult:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> EngineResult:
-        return cls(**{f.name: arrays[f.name] for f in fields(cls)})
+        return cls(**{f.name: arrays[f.name] for f in fields(cls) if f.name in arrays})
 
-    def hindsight(self, row: int) -> list[int]:
-        """Row's guesses of its last fed tokens (see hindsight_ids)."""
-        if row >= self.hindsight_ids.shape[0]:
+    def hindsight(self, row: int, num_guesses: int) -> list[bool]:
+        """Whether each of the row's guesses of its last num_guesses fed tokens was right,
+        oldest first (see hindsight_hits)."""
+        if not num_guesses or row >= self.hindsight_hits.shape[0]:
             return []
-        guesses = self.hindsight_ids[row]
-        return guesses[guesses >= 0].tolist()
+        bits = int(self.hindsight_hits[row])
+        return [bool(bits >> j & 1) for j in range(num_guesses)]
 
 
 class Engines(Protocol):

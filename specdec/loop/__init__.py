@@ -1,1 +1,1 @@
-"""The decoding loop: in-flight batching, proposers, adaptive k, rejection sampling."""
+"""The decoding loop: in-flight batching, proposers, adaptive k, verification."""

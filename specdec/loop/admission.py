@@ -11,9 +11,8 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import secrets
 from collections.abc import Callable
-
-import torch
 
 from specdec.loop.sequence import CacheCopy, SequenceState
 from specdec.text.detokenizer import Decode, IncrementalDetokenizer
@@ -61,15 +60,14 @@ class Admission:
     def _new_sequence(
         self, request: GenerationRequest, index: int, parent: SequenceState | None
     ) -> SequenceState:
-        generator = torch.Generator()
         if request.seed is None:
-            generator.seed()
+            seed = secrets.randbits(63)
         else:  # the request's seed for its first sequence; the others get their own
-            generator.manual_seed((request.seed + index * 0x9E3779B97F4A7C15) % 2**63)
+            seed = (request.seed + index * 0x9E3779B97F4A7C15) % 2**63
         return SequenceState(
             request=request,
             detokenizer=IncrementalDetokenizer(self.decode, request.stop_words),
-            generator=generator,
+            seed=seed,
             id=next(self._ids),
             token_ids=list(request.prompt_ids),
             sequence_index=index,

@@ -13,13 +13,11 @@ This module never sees Triton: `Engines` is two calls (specdec/engines/wire.py).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from specdec.engines.wire import EngineBatch, EngineResult, Engines
 from specdec.loop.admission import Admission, QueueFull
@@ -28,8 +26,8 @@ from specdec.loop.controller import CostCurve
 from specdec.loop.policy import ProposerPolicy, StepPlan
 from specdec.loop.proposers import REGISTRY
 from specdec.loop.proposers.base import Proposal, Proposer, TimedStep
-from specdec.loop.rejection import Verdict, rejection_sample, verify_greedy
 from specdec.loop.sequence import CacheCopy, SequenceState, Update, engine_batch
+from specdec.loop.verify import Verdict, verify
 from specdec.text.detokenizer import Decode
 from specdec.text.request import GenerationRequest
 
@@ -245,7 +243,7 @@ class SpeculativeScheduler:
             num_steps=[k + 1 for k in plan.ks],
             copies=copies,
         )
-        wanted = [s.request.return_log_probs and s.request.greedy for s in batch]
+        wanted = [s.request.return_log_probs for s in batch]
         if any(wanted):
             target_batch.return_log_probs = np.array(wanted, dtype=np.bool_)
         return target_batch
@@ -258,25 +256,15 @@ class SpeculativeScheduler:
         result: EngineResult,
         stats: IterationStats,
     ) -> list[Update]:
-        """Each row's verdict on its proposal (greedy match or rejection sampling), told to
-        its proposer and committed."""
+        """Each row's verdict on its proposal (specdec/loop/verify.py), told to its proposer
+        and committed."""
         updates = []
-        probs_row = 0
-        log_probs: torch.Tensor | np.ndarray | None
         for row, sequence in enumerate(batch):
             k = plan.ks[row]
             proposal = proposals.get(sequence.id, NO_PROPOSAL)
-            if sequence.request.greedy:
-                target_ids = result.token_ids[row, : k + 1].tolist()  # (k + 1,)
-                verdict = verify_greedy(proposal.token_ids, target_ids)
-                log_probs = result.log_probs[row] if result.log_probs.size else None
-            else:
-                target_probs = torch.from_numpy(result.probs[probs_row : probs_row + k + 1])
-                probs_row += k + 1  # (k + 1, V) rows per sampled row, in batch order
-                verdict = rejection_sample(
-                    proposal.token_ids, proposal.draft_probs, target_probs, sequence.generator
-                )
-                log_probs = target_probs  # emitted token j has probability target_probs[j, token]
+            target_ids = result.token_ids[row, : k + 1].tolist()  # (k + 1,)
+            verdict = verify(proposal.token_ids, target_ids)
+            log_probs = result.log_probs[row] if result.log_probs.size else None
             name = plan.proposers[row]
             if name is not None:
                 self.proposers[name].observe(sequence, k, verdict.num_accepted)
@@ -295,11 +283,11 @@ class SpeculativeScheduler:
         sequence: SequenceState,
         k: int,
         verdict: Verdict,
-        log_probs: torch.Tensor | np.ndarray | None = None,
+        log_probs: np.ndarray | None = None,
     ) -> Update:
-        """Appends the verdict's tokens up to the first stop condition. `log_probs`: the
-        target's log-probabilities by position ((k + 1,) greedy) or its (k + 1, V)
-        distributions (sampled), kept when the request returns log-probs."""
+        """Appends the verdict's tokens up to the first stop condition. `log_probs`: (k + 1,)
+        the target's log-probability of its token at each position, kept when the request
+        returns log-probs (every emitted token is the target's own)."""
         request = sequence.request
         sequence.stats.num_target_passes += 1
         sequence.stats.num_draft_tokens += k
@@ -311,7 +299,8 @@ class SpeculativeScheduler:
                 break
             sequence.token_ids.append(token)
             if request.return_log_probs:
-                sequence.output_log_probs.append(_log_prob(log_probs, position, token))
+                value = 0.0 if log_probs is None else float(log_probs[position])
+                sequence.output_log_probs.append(value)
             if sequence.detokenizer.add(token):
                 sequence.finish_reason = "stop"
             elif sequence.num_output_tokens >= request.max_tokens:
@@ -332,14 +321,3 @@ class SpeculativeScheduler:
         finished = sequence.finished
         text = sequence.detokenizer.take(final=finished) if (request.stream or finished) else ""
         return Update(sequence, text, finished)
-
-
-def _log_prob(log_probs: torch.Tensor | np.ndarray | None, position: int, token: int) -> float:
-    """The emitted token's log-probability: from the engine's per-position values (greedy)
-    or the target distribution it was drawn from (sampled; a recovered token's marginal is
-    the target's, which rejection sampling preserves)."""
-    if log_probs is None:
-        return 0.0
-    if isinstance(log_probs, torch.Tensor):
-        return math.log(max(float(log_probs[position, token]), 1e-45))
-    return float(log_probs[position])

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from specdec.engines.wire import EngineBatch
 from specdec.text.detokenizer import IncrementalDetokenizer
@@ -46,7 +45,7 @@ class SequenceTimes:
 class SequenceState:
     request: GenerationRequest
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator  # the row's own: rejection sampling and the draft's seeds
+    seed: int  # its sampling noise (specdec/engines/coupling.py), in [0, 2**63)
     id: int = 0
     slot: int = -1  # its KV cache slot in both engines; -1 while it waits
     token_ids: list[int] = field(default_factory=list)  # prompt + output
@@ -95,8 +94,7 @@ def engine_batch(
     num_steps: list[int],  # per row: draft tokens to propose, or target positions to return
     copies: list[CacheCopy] | tuple[()] = (),
 ) -> EngineBatch:
-    """One engine call's tensors for these rows (specdec/engines/wire.py). Each row draws
-    the seed of its draft sampling from its own generator."""
+    """One engine call's tensors for these rows (specdec/engines/wire.py)."""
     requests = [s.request for s in rows]
     copy_columns = np.array(copies, dtype=np.int32).reshape(-1, 3).T  # (3, C)
     return EngineBatch(
@@ -113,10 +111,7 @@ def engine_batch(
             [max(0, s.request.min_tokens - s.num_output_tokens) for s in rows],
             dtype=np.int32,
         ),
-        seeds=np.array(
-            [int(torch.randint(2**62, (), generator=s.generator)) for s in rows],
-            dtype=np.int64,
-        ),
+        seeds=np.array([s.seed for s in rows], dtype=np.int64),
         copy_src_slots=copy_columns[0].copy(),
         copy_dst_slots=copy_columns[1].copy(),
         copy_lengths=copy_columns[2].copy(),

@@ -29,7 +29,7 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # The tests that guard the loop, fastest first (-x stops at the first failure).
-UNIT = ["tests/test_rejection.py", "tests/test_scheduler.py"]
+UNIT = ["tests/test_verify.py", "tests/test_scheduler.py"]
 REAL = ["tests/test_loop_engines.py"]
 
 
@@ -45,39 +45,34 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
-        "accepted-count-greedy",
-        "greedy verification keeps the first rejected draft token",
-        "specdec/loop/rejection.py",
+        "accepted-count",
+        "verification keeps the first proposed token that differs from the target's",
+        "specdec/loop/verify.py",
         "emitted = list(draft_token_ids[:num_accepted]) + [target_token_ids[num_accepted]]",
         "emitted = list(draft_token_ids[: num_accepted + 1]) + [target_token_ids[num_accepted]]",
     ),
     Mutant(
-        "accepted-count-sampled",
-        "rejection sampling keeps the rejected draft token before the recovered one",
-        "specdec/loop/rejection.py",
-        "return Verdict(i, list(draft_token_ids[:i]) + [recovered])",
-        "return Verdict(i, list(draft_token_ids[: i + 1]) + [recovered])",
-    ),
-    Mutant(
         "bonus-position",
-        "the bonus token drawn from the last draft position's distribution",
-        "specdec/loop/rejection.py",
-        "bonus = sample_token(target_probs[k], generator)",
-        "bonus = sample_token(target_probs[max(k - 1, 0)], generator)",
+        "the bonus token taken from the last proposal's position",
+        "specdec/loop/verify.py",
+        "emitted = list(draft_token_ids[:num_accepted]) + [target_token_ids[num_accepted]]",
+        "emitted = list(draft_token_ids[:num_accepted]) + "
+        "[target_token_ids[min(num_accepted, max(len(draft_token_ids) - 1, 0))]]",
     ),
     Mutant(
-        "target-probs-row",
-        "each sampled row takes k target distributions instead of k + 1",
-        "specdec/loop/scheduler.py",
-        "probs_row += k + 1",
-        "probs_row += k",
+        "target-noise-position",
+        "the target keys a token's noise by the position before it (the draft does not)",
+        "specdec/engines/in_process.py",
+        "fed[rows] + steps + 1, True)",
+        "fed[rows] + steps, True)",
+        tests=(*REAL,),
     ),
     Mutant(
-        "draft-probs-row",
-        "greedy rows are counted when slicing the draft's distributions",
-        "specdec/loop/proposers/draft_model.py",
-        "                probs_row += k\n",
-        "            probs_row += k\n",
+        "sequence-seed",
+        "a row's noise seed changes with its output length",
+        "specdec/loop/sequence.py",
+        "seeds=np.array([s.seed for s in rows], dtype=np.int64)",
+        "seeds=np.array([s.seed + s.num_output_tokens for s in rows], dtype=np.int64)",
     ),
     Mutant(
         "target-cache-length",

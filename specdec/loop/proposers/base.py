@@ -17,8 +17,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
 from specdec.loop.sequence import CacheCopy, SequenceState
 
 if TYPE_CHECKING:
@@ -29,10 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Proposal:
-    token_ids: list[int]  # (k,) draft tokens
-    # (k, V) the draft distributions they were drawn from (a model's sampled rows); None:
-    # point masses (greedy rows, or a proposer without a distribution).
-    draft_probs: torch.Tensor | None = None
+    token_ids: list[int]  # (k,) draft tokens (a model's sampled rows: drawn with the
+    # target's noise, specdec/engines/coupling.py)
 
 
 @dataclass

@@ -13,9 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
-from specdec.engines.wire import HINDSIGHT_TOKENS
+from specdec.engines.wire import HINDSIGHT_TOKENS, hindsight_lengths
 from specdec.loop.controller import AdaptiveController, Choice, CostCurve
 from specdec.loop.proposers.base import Candidate, Proposal, Proposer, TimedStep
 from specdec.loop.sequence import CacheCopy, SequenceState, engine_batch
@@ -96,29 +94,25 @@ class DraftModelProposer(Proposer):
         if int(batch.input_lengths.max()) <= 2 and num_steps > 0:
             self.controller.observe_draft(len(rows), num_steps, time.perf_counter() - start)
         proposals = []
-        probs_row = 0
+        guessed = hindsight_lengths(batch.input_lengths, batch.temperature)
         for row, (sequence, k) in enumerate(zip(rows, ks, strict=True)):
-            self._observe_hindsight(sequence, result.hindsight(row))
-            draft_probs = None
-            if not sequence.request.greedy:
-                draft_probs = torch.from_numpy(result.probs[probs_row : probs_row + k])  # (k, V)
-                probs_row += k
-            proposals.append(Proposal(result.token_ids[row, :k].tolist(), draft_probs))
+            self._observe_hindsight(sequence, result.hindsight(row, int(guessed[row])))
+            proposals.append(Proposal(result.token_ids[row, :k].tolist()))
             # The draft cached everything it was fed: the pending tokens and k - 1 proposals.
             sequence.draft_cache_length = len(sequence.token_ids) + max(k - 1, 0)
         return proposals
 
-    def _observe_hindsight(self, sequence: SequenceState, guesses: list[int]) -> None:
+    def _observe_hindsight(self, sequence: SequenceState, hits: list[bool]) -> None:
         """Scores the draft's hindsight guesses of the tokens it was just fed (the last
-        len(guesses) of the sequence; only a greedy row's catch-up has any, see
-        wire.hindsight_lengths) against what greedy decoding produced there."""
-        if not guesses:
+        len(hits) of the sequence; only a greedy row's catch-up has any, see
+        wire.hindsight_lengths): whether each equals what greedy decoding produced there.
+        Guesses of prompt tokens are no verdicts on output and are skipped."""
+        if not hits:
             return
-        first = len(sequence.token_ids) - len(guesses)  # the index of the first guessed token
-        skip = max(0, len(sequence.request.prompt_ids) - first)  # prompt tokens are not output
-        actual = sequence.token_ids[first + skip :]
-        hits = sum(g == t for g, t in zip(guesses[skip:], actual, strict=True))
-        self.controller.observe_hindsight(hits, len(actual))
+        first = len(sequence.token_ids) - len(hits)  # the index of the first guessed token
+        skip = max(0, len(sequence.request.prompt_ids) - first)
+        outputs = hits[skip:]
+        self.controller.observe_hindsight(sum(outputs), len(outputs))
 
     def observe(self, sequence: SequenceState, k: int, num_accepted: int) -> None:
         self.controller.observe_verdict(k, num_accepted)
