@@ -164,7 +164,9 @@ def test_tensorrt_plan_of_the_draft_follows_torch(tmp_path):
     args = (prompt, [30, 10], [0, 3], [0, 0], [1, 1])
     cached, agree = [30, 10], 0
     for _ in range(32):
-        expected, got = reference.forward(*args), engine.forward(*args)
+        expected, on_gpu = reference.forward(*args), engine.forward(*args)
+        assert on_gpu.is_cuda  # the logits stay where the plan wrote them
+        got = on_gpu.cpu()
         finite = torch.isfinite(expected)
         assert (expected[finite] - got[finite]).abs().max().item() < 0.25
         agree += int(torch.equal(expected.argmax(-1), got.argmax(-1)))
@@ -207,19 +209,24 @@ ENGINE_STREAM = 0x5EED  # a stream of the engine's own
 
 
 class FakeStream:
-    def __init__(self, cuda_stream: int) -> None:
-        self.cuda_stream = cuda_stream
+    def __init__(self, cuda_stream: int, events: list) -> None:
+        self.cuda_stream, self.events = cuda_stream, events
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.events.append(("wait", self.cuda_stream, other.cuda_stream))
 
 
 class FakeCuda:
     """torch.cuda's streams on the CPU: Stream() makes ENGINE_STREAM, current_stream() is
-    the stream torch orders its work on (the default one unless inside stream(...))."""
+    the stream torch orders its work on (the default one unless inside stream(...));
+    `events` lists the streams' waits and the contexts' executions in order."""
 
     def __init__(self) -> None:
-        self.active = [FakeStream(DEFAULT_STREAM)]
+        self.events: list = []
+        self.active = [FakeStream(DEFAULT_STREAM, self.events)]
 
     def Stream(self, device=None, priority=0) -> FakeStream:  # noqa: N802 (torch's name)
-        return FakeStream(ENGINE_STREAM)
+        return FakeStream(ENGINE_STREAM, self.events)
 
     def current_stream(self, device=None) -> FakeStream:
         return self.active[-1]
@@ -274,10 +281,12 @@ class FakeContext:
 
     def execute_async_v3(self, stream: int) -> bool:
         self._record("execute_async_v3", stream, dict(self.shapes))
+        self.plan.cuda.events.append(("execute", stream))
         logits = np.random.default_rng(len(self.calls)).standard_normal(
             self.get_tensor_shape("logits"), dtype=np.float32
         )  # random logits, written where the engine bound them (CPU memory here)
         ctypes.memmove(self.addresses["logits"], logits.ctypes.data, logits.nbytes)
+        self.plan.written_logits.append((self.addresses["logits"], logits))
         return True
 
 
@@ -289,6 +298,7 @@ class FakePlan:
         self.cuda, self.refuse = cuda, set(refuse)
         self.device_memory_size_v2 = memory_size
         self.contexts: list[FakeContext] = []
+        self.written_logits: list[tuple[int, np.ndarray]] = []  # (address, logits) per execution
         inputs, outputs = input_names(TINY.num_layers), output_names(TINY.num_layers)
         self.dtypes = {name: "int64" for name in inputs[:4]}
         self.dtypes |= {name: "float32" for name in inputs[4:] + outputs}
@@ -680,7 +690,7 @@ def test_a_refused_optimization_profile_fails_at_load(fake_trt, tmp_path):
 
 def test_tensorrt_runs_on_a_stream_of_the_engines_own(fake_trt, tmp_path):
     """Not torch's default stream; and torch's work of the call (gathers, appends, the
-    logits' copy) is ordered on that same stream: TensorRT is called inside it."""
+    logits picked) is ordered on that same stream: TensorRT is called inside it."""
     engine = TrtEngine(tiny_plan(tmp_path), 4, 64, device="cpu")
     one_call(engine, input_length=20, num_logits=1)  # prefill
     one_call(engine, input_length=2, num_logits=2)  # decode
@@ -692,6 +702,41 @@ def test_tensorrt_runs_on_a_stream_of_the_engines_own(fake_trt, tmp_path):
         assert given == ENGINE_STREAM != DEFAULT_STREAM
         assert ordered_on == ENGINE_STREAM, call[0]
     assert len([c for c in calls if c[0] == "execute_async_v3"]) == 2
+
+
+def test_the_callers_stream_and_the_engines_wait_for_each_other(fake_trt, tmp_path):
+    """The logits stay on the GPU, so nothing synchronises the host: before a call the
+    engine's stream waits for the caller's (inputs made there), after it the caller's waits
+    for the engine's (the logits it reads); a slot copy waits for the caller's too."""
+    engine = TrtEngine(tiny_plan(tmp_path), 4, 64, device="cpu")
+    events = fake_trt.cuda.events
+    events.clear()
+    one_call(engine, input_length=20, num_logits=1)  # prefill
+    one_call(engine, input_length=2, num_logits=2)  # decode
+    engine_waits = ("wait", ENGINE_STREAM, DEFAULT_STREAM)  # (waiting, waited for)
+    caller_waits = ("wait", DEFAULT_STREAM, ENGINE_STREAM)
+    executed = ("execute", ENGINE_STREAM)
+    assert events == [engine_waits, executed, caller_waits] * 2
+    events.clear()
+    engine.copy_slot(0, 1, 5)
+    assert events == [engine_waits]
+
+
+def test_the_logits_are_where_the_plan_wrote_them(fake_trt, tmp_path):
+    """No copy of a decode or verify call's logits (every row asks for all L columns): the
+    engine returns the tensor the plan wrote, in row order. Where rows ask for fewer, or a
+    prompt runs in a call of its own, the rows asked for come back in the caller's order."""
+    engine = TrtEngine(tiny_plan(tmp_path), 4, 64, device="cpu")
+    written = fake_trt.plan.written_logits
+    logits = engine.forward(torch.arange(6), [3, 3], [0, 2], [0, 0], [3, 3])
+    address, plan_logits = written[-1]
+    assert logits.data_ptr() == address and logits.dtype == torch.float32
+    assert torch.equal(logits, torch.from_numpy(plan_logits).reshape(6, TINY.vocab_size))
+    written.clear()
+    logits = engine.forward(torch.arange(25), [20, 3, 2], [1, 0, 3], [0, 3, 2], [1, 3, 1])
+    (_, short), (_, prompt) = written  # short rows first (one call), then the prompt alone
+    expected = [prompt[0, :1], short[0, :3], short[1, :1]]
+    assert torch.equal(logits, torch.from_numpy(np.concatenate(expected)))
 
 
 def test_contexts_share_one_user_managed_activation_block(fake_trt, tmp_path):

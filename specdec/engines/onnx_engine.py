@@ -6,9 +6,14 @@ CPU for onnxruntime, on the GPU for TensorRT), and per call:
 1. groups the packed rows: short rows (decode, verify) share one padded call; long rows
    (prefill) run one by one, so a prompt does not pad every other row to its length;
 2. pads a group's new tokens to T and gathers its slots' past keys and values padded to P
-   (at least 1: a masked position, so no tensor is empty);
-3. runs the graph, appends the new keys and values to the slots, keeps the logits asked for.
-`OnnxEngine` runs the graph with onnxruntime (CUDA provider when present, else the CPU).
+   (at least 1: a masked position, so no tensor is empty): a copy, the one cost of this
+   design that in-place attention would not pay (`python -m build.graph_engine_bytes`
+   counts it; docs/gpu.md);
+3. runs the graph, appends the new keys and values to the slots, and returns the logits asked
+   for where the graph wrote them (a view of its output when every row asks for as many; no
+   copy to the host: TensorRT's logits stay on the GPU).
+`OnnxEngine` runs the graph with onnxruntime (CUDA provider when present, else the CPU; its
+logits come back in host memory either way).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.engines.llama import LlamaConfig, copy_cache_prefix
+from specdec.engines.llama import LlamaConfig, copy_cache_prefix, zeroed_cache
 from specdec.engines.onnx_export import DTYPES, input_names, read_manifest
 
 MAX_BATCHED_QUERY = 16  # rows with more new tokens than this run alone (as in llama.py)
@@ -89,13 +94,14 @@ class GraphEngine:
         self.num_slots = num_slots
         self.max_length = max_length
         self.device = torch.device(device)
-        self.head_token_ids = head_token_ids
+        self.head_token_ids = None if head_token_ids is None else head_token_ids.to(self.device)
         c = config
-        # torch.empty: pages are touched only when written; unwritten positions are zeroed
-        # in the gathered copy before a graph call sees them.
+        # Zeroed (on the CPU by calloc: pages are touched only when written), so a gathered
+        # position the call masks (past a short row, never written) is finite: a masked NaN
+        # would still reach the logits through attention's weighted sum (0 * NaN).
         shape = (c.num_layers, num_slots, c.num_kv_heads, max_length, c.head_dim)
-        self.k_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
-        self.v_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
+        self.k_cache = zeroed_cache(shape, cache_dtype, self.device)
+        self.v_cache = zeroed_cache(shape, cache_dtype, self.device)
         self.names = input_names(c.num_layers)
 
     def _run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -114,7 +120,8 @@ class GraphEngine:
         cache_lengths: list[int],  # (B,) valid positions already in each slot
         num_logits: list[int],  # (B,) trailing positions per row that need logits
     ) -> torch.Tensor:
-        """Appends the rows' tokens to their slots; returns (sum(num_logits), V) logits."""
+        """Appends the rows' tokens to their slots; returns (sum(num_logits), V) float32 logits
+        on the engine's device (the graph's output where it can: see picked_logits)."""
         for length, cached, wanted in zip(input_lengths, cache_lengths, num_logits, strict=True):
             if length <= 0 or cached + length > self.max_length or not 0 < wanted <= length:
                 raise ValueError(
@@ -122,23 +129,21 @@ class GraphEngine:
                     f"({wanted} logits) does not fit max_length {self.max_length}"
                 )
         tokens = torch.split(input_ids.cpu(), input_lengths)
+        groups = group_rows(input_lengths)
         per_row: dict[int, torch.Tensor] = {}  # row -> its (num_logits[row], head) logits
-        for rows in group_rows(input_lengths):
+        for rows in groups:
             call = pad_rows(rows, tokens, cache_lengths, num_logits)
             logits = self._call(call, [slot_ids[r] for r in rows], input_lengths, cache_lengths)
-            for i, r in enumerate(rows):
-                per_row[r] = logits[i, : num_logits[r]]
+            asked = [num_logits[r] for r in rows]
+            if len(groups) == 1:  # rows 0..B-1 in order: no reordering, no second copy
+                return self._full_vocabulary(picked_logits(logits, asked).float())
+            per_row.update(zip(rows, picked_logits(logits, asked).split(asked), strict=True))
         ordered = [per_row[r] for r in range(len(input_lengths))]  # every row is in one call
-        return self._full_vocabulary(torch.cat(ordered).float().cpu())
+        return self._full_vocabulary(torch.cat(ordered).float())
 
     def _call(self, call: PaddedCall, slots, input_lengths, cache_lengths) -> torch.Tensor:
         """One graph call: gather the past, run, write the new keys and values back."""
         slot_index = torch.tensor(slots, device=self.device)
-        past_valid = (
-            torch.arange(call.past_length)[None, :]
-            < call.attention_mask.new_tensor([cache_lengths[r] for r in call.rows])[:, None]
-        )  # (b, P)
-        hidden = (~past_valid).to(self.device)[:, None, :, None]
         feeds = {
             "input_ids": call.input_ids,
             "position_ids": call.position_ids,
@@ -148,8 +153,8 @@ class GraphEngine:
         feeds = {name: tensor.to(self.device) for name, tensor in feeds.items()}
         for li in range(self.config.num_layers):
             for kind, cache in (("key", self.k_cache), ("value", self.v_cache)):
-                past = cache[li][slot_index, :, : call.past_length]  # (b, kvh, P, hd), a copy
-                feeds[f"past_{kind}.{li}"] = past.masked_fill_(hidden, 0)
+                # (b, kvh, P, hd), a copy; positions the mask hides are finite (zeroed cache)
+                feeds[f"past_{kind}.{li}"] = cache[li][slot_index, :, : call.past_length]
         outputs = self._run(feeds)
         self._append(outputs[1:], call, slot_index, input_lengths, cache_lengths)
         return outputs[0]
@@ -176,6 +181,19 @@ class GraphEngine:
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self.head_token_ids] = logits
         return full  # (sum(num_logits), V)
+
+
+def picked_logits(logits: torch.Tensor, num_logits: list[int]) -> torch.Tensor:
+    """The logits asked for out of a call's (b, L, head) output: row i's first num_logits[i]
+    columns, rows in order, as (sum(num_logits), head). Where every row asks for all L (a
+    decode or verify step) that is a view of the output itself; else one copy."""
+    batch, width, head = logits.shape
+    flat = logits.reshape(batch * width, head)  # a view: the graph's output is contiguous
+    if all(n == width for n in num_logits):
+        return flat
+    # Indices made on the host: a boolean mask on the GPU would wait for the device.
+    index = torch.cat([torch.arange(n) + i * width for i, n in enumerate(num_logits)])
+    return flat.index_select(0, index.to(logits.device))
 
 
 def manifest_config(engine_dir: Path) -> tuple[dict, LlamaConfig, torch.Tensor | None]:

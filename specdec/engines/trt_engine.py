@@ -5,8 +5,14 @@ device synchronisations on the default stream), with every torch tensor of a cal
 that stream. It keeps one execution context per profile, so a call never switches profiles;
 the contexts run one after another, so they share one user-managed activation block sized
 for the largest profile. The KV cache lives in device memory (torch CUDA tensors); inputs
-and outputs are bound by address, no host copies but the logits. A plan built by another
-TensorRT or GPU, or whose profiles are not its manifest's, is refused with the reason.
+and outputs are bound by address, and `forward` returns the logits in the CUDA tensor the
+plan wrote them to (no host copy: the caller reduces them on the GPU). Work on the caller's
+stream is ordered around the engine's: the engine's stream waits for the caller's before a
+call (inputs the caller made on the GPU), the caller's waits for the engine's after it
+(the logits), and the logits' memory is marked as used on the caller's stream, so the
+allocator does not hand it out again while the caller still reads it. A plan built by
+another TensorRT or GPU, or whose profiles are not its manifest's, is refused with the
+reason.
 
 The helpers (deserializing, the profile check, context set-up and binding, with TensorRT's
 return values checked) take TensorRT's objects as arguments, so tests/test_tensorrt.py runs
@@ -183,10 +189,19 @@ class TrtEngine(GraphEngine):
         return cls(plan_dir, num_slots, max_length)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        with torch.cuda.stream(self.stream):  # gathers, the plan, appends and the logits copy
-            return super().forward(*args, **kwargs)
+        """GraphEngine.forward on the engine's stream; (sum(num_logits), V) float32 logits on
+        the GPU, ready on the caller's stream."""
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):  # gathers, the plan, appends, the logits picked
+            logits = super().forward(*args, **kwargs)
+        caller.wait_stream(self.stream)
+        if logits.is_cuda:  # (the tests' scripted TensorRT runs on the CPU)
+            logits.record_stream(caller)
+        return logits
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             super().copy_slot(src, dst, length)
 
