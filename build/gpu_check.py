@@ -7,10 +7,15 @@ Each step is recorded with its outcome; a failed step does not stop the next one
 1. environment: GPU, CUDA, torch and TensorRT versions;
 2. cpu: the reference, in this process: the torch engine on the CPU in float32 decodes each
    prompt greedily, one token at a time, and keeps each token's top-2 logit gap;
-3. cuda: the real Triton server (specdec.harness.ManagedServer) with the torch engine on CUDA;
-4. tensorrt, where `tensorrt` imports: plans of both models in --dtype (build time), then
+3. engines, in this process, no server: the torch engine's decode steps replayed from CUDA
+   graphs (cuda_graphs=True) against eager ones on the same inputs, float32 and bfloat16, at
+   1, half and all --num-slots rows (largest logit difference, argmax agreement, ms per
+   step); where `tensorrt` imports, the target's plan in --dtype: its logits must stay on the
+   GPU and follow the torch engine's (ms per step beside torch's);
+4. cuda: the real Triton server (specdec.harness.ManagedServer) with the torch engine on CUDA;
+5. tensorrt, where `tensorrt` imports: plans of both models in --dtype (build time), then
    the server with ENGINE=tensorrt.
-Steps 3 and 4 serve k = 0, k = 4 and adaptive to one stream, and k = 0 and adaptive to each
+Steps 4 and 5 serve k = 0, k = 4 and adaptive to one stream, and k = 0 and adaptive to each
 level of --streams (output tokens/s of each), and hold every greedy text to the reference by
 the tie-aware rule (specdec/engines/greedy_parity.py): a text may leave the reference only where the
 reference's top-2 logits lie within --tie-margin; a divergence anywhere else fails the step.
@@ -221,12 +226,125 @@ def tensorrt_step(config: GpuCheckConfig, prompts, reference) -> dict:
     return {"dtype": dtype, "builds": builds, **result}
 
 
+# -- step 3: the engines in this process ------------------------------------------------------
+GRAPH_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15}  # |CUDA graph - eager| logits
+PLAN_TOLERANCE = 0.5  # |plan (float16 / bfloat16) - torch float32| logits, as test_tensorrt
+
+
+def engines_step(config: GpuCheckConfig, has_tensorrt: bool) -> dict:
+    """CUDA graphs against eager decode steps; a TensorRT plan's logits on the GPU."""
+    import torch
+
+    from specdec.engines.llama import LlamaEngine
+
+    result: dict = {"cuda_graphs": {}}
+    for dtype in ("float32", "bfloat16"):
+        engines = [
+            LlamaEngine.from_checkpoint(
+                config.target,
+                config.num_slots,
+                config.max_context,
+                "cuda",
+                getattr(torch, dtype),
+                cuda_graphs=graphs,
+            )
+            for graphs in (False, True)
+        ]
+        result["cuda_graphs"][dtype] = compare_decode_steps(*engines, GRAPH_TOLERANCE[dtype])
+        del engines
+    if has_tensorrt and not config.skip_tensorrt:
+        result["tensorrt"] = tensorrt_logits(config)
+    return result
+
+
+def prefill_all(engines, num_slots: int, length: int = 100) -> list[int]:
+    """The same random prompt of `length` tokens in every slot of every engine."""
+    import torch
+
+    prompt = torch.randint(0, 49152, (length,), generator=torch.Generator().manual_seed(5))
+    for engine in engines:
+        for slot in range(num_slots):
+            engine.forward(prompt, [length], [slot], [0], [1])
+    return [length] * num_slots
+
+
+def decode_rows(num_slots: int) -> list[int]:
+    return sorted({1, max(1, num_slots // 2), num_slots})
+
+
+def compare_decode_steps(reference, candidate, tolerance: float, num_steps: int = 8) -> dict:
+    """Both engines decode the same rows from the same cache; each step's logits must
+    agree within `tolerance`. Then ms per step of each (median of 20, after a warm-up)."""
+    import torch
+
+    cache_lengths = prefill_all([reference, candidate], reference.num_slots)
+    report: dict = {}
+    for rows in decode_rows(reference.num_slots):
+        worst, agree, slots = 0.0, 0, list(range(rows))
+        tokens = torch.arange(rows) + 7
+        for _ in range(num_steps):
+            args = (tokens, [1] * rows, slots, cache_lengths[:rows], [1] * rows)
+            expected, got = reference.forward(*args), candidate.forward(*args)
+            if not got.is_cuda:
+                raise AssertionError(f"logits on {got.device}, not on the GPU")
+            worst = max(worst, (expected - got).abs().max().item())
+            agree += int(torch.equal(expected.argmax(-1), got.argmax(-1)))
+            tokens = expected.argmax(-1).cpu()
+            cache_lengths[:rows] = [n + 1 for n in cache_lengths[:rows]]
+        report[f"{rows} rows"] = {
+            "max_abs_diff": round(worst, 5),
+            "steps_with_equal_argmax": f"{agree}/{num_steps}",
+            "reference_ms": step_ms(reference, rows, cache_lengths),
+            "candidate_ms": step_ms(candidate, rows, cache_lengths),
+        }
+        if worst > tolerance:
+            raise AssertionError(f"logits differ by {worst} at {rows} rows: {report}")
+    return report
+
+
+def step_ms(engine, rows: int, cache_lengths: list[int], repeats: int = 20) -> float:
+    """Median ms of a decode step of `rows` rows (the same positions rewritten each time)."""
+    import statistics
+
+    import torch
+
+    args = (torch.arange(rows), [1] * rows, list(range(rows)), cache_lengths[:rows], [1] * rows)
+    engine.forward(*args)  # warm-up (a CUDA graph's capture)
+    seconds = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        engine.forward(*args)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return round(1000 * statistics.median(seconds), 3)
+
+
+def tensorrt_logits(config: GpuCheckConfig) -> dict:
+    """The target's plan (built as the tensorrt step builds it) against the torch engine in
+    float32 on CUDA: logits on the GPU, within PLAN_TOLERANCE, and ms per step of each."""
+    from specdec.engines.llama import LlamaEngine
+    from specdec.engines.onnx_engine import default_engines_root
+    from specdec.engines.select import engine_dtype
+    from specdec.engines.trt_engine import TrtEngine
+    from specdec.engines.trt_plan import default_plan_dir, ensure_plan
+
+    dtype = engine_dtype("tensorrt", config.dtype, "cuda")
+    plan = default_plan_dir(config.target, default_engines_root(), dtype)
+    ensure_plan(config.target, plan, config.num_slots, config.max_context, dtype)
+    engine = TrtEngine(plan, config.num_slots, config.max_context)
+    reference = LlamaEngine.from_checkpoint(
+        config.target, config.num_slots, config.max_context, "cuda"
+    )
+    return {"dtype": dtype, **compare_decode_steps(reference, engine, PLAN_TOLERANCE)}
+
+
 def run(config: GpuCheckConfig) -> dict:
     report = {"config": {k: str(v) for k, v in asdict(config).items()}, "steps": {}}
     report["environment"] = environment()
     if config.dry_run:
         report["steps"] = {
-            s: {"ok": None, "skipped": "dry run"} for s in ("cpu", "cuda", "tensorrt")
+            s: {"ok": None, "skipped": "dry run"} for s in ("cpu", "engines", "cuda", "tensorrt")
         }
     else:
         run_steps(config, report)
@@ -250,6 +368,7 @@ def run_steps(config: GpuCheckConfig, report: dict) -> None:
     if cpu is None:
         return
     reference = (tokenizer, cpu["paths"])
+    step(report, "engines", lambda: engines_step(config, bool(report["environment"]["tensorrt"])))
     env = {"ENGINE": "torch", "DEVICE": "cuda"}
     step(report, "cuda", lambda: serve("gpu-check-cuda", env, config, prompts, reference))
     if report["environment"]["tensorrt"] and not config.skip_tensorrt:

@@ -21,7 +21,7 @@ def test_dry_run_writes_a_report_without_starting_a_server(tmp_path):
     run(config)
     report = json.loads(out.read_text())
     assert report["config"]["num_prompts"] == "3"
-    assert set(report["steps"]) == {"cpu", "cuda", "tensorrt"}
+    assert set(report["steps"]) == {"cpu", "engines", "cuda", "tensorrt"}
     assert all(s["skipped"] == "dry run" for s in report["steps"].values())
     assert report["passed"] is None
     assert "cuda_available" in report["environment"]

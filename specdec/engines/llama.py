@@ -6,6 +6,11 @@ after them. Rolling back rejected draft tokens is only a shorter cache length ne
 
 Calls are packed: the new tokens of every row are concatenated into one (N,) tensor, so the
 linear layers (where the time goes on CPU) see one matrix, and only attention runs per row.
+Attention reads the slot cache in place: new keys and values are written into their slots
+(forward), and rows read them through a view of the slot range they span
+(`_batched_attention`, `_row_attention`); only rows scattered over far more slots than they
+fill read a copy of their own slots. On CUDA, `cuda_graphs` replays one-token decode steps
+from CUDA graphs (DecodeSteps).
 
 Precision (`dtype`): the matrices (the head too), the attention and the KV cache compute in
 float32, bfloat16 or float16 (CUDA); the residual stream and the norms stay float32, and the
@@ -151,6 +156,7 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Top logits per position that the head recomputes in float32 below float32 (head_logits):
 # the true top two are among them unless more than this many round to the same top value.
 RESCORED_LOGITS = 16
+MIN_KEYS_BUCKET = 128  # the fewest key positions a CUDA graph's decode step attends over
 
 
 class LayerWeights(TypedDict):
@@ -190,7 +196,7 @@ class BatchedAttention:
 @dataclass
 class AttentionPlan:
     batched: list[BatchedAttention]  # one call per width
-    looped_rows: list[int]
+    looped: list[tuple[int, int, int, int]]  # rows alone: (slot, cache length, start, end)
 
 
 def copy_cache_prefix(caches, src: int, dst: int, length: int) -> None:
@@ -211,15 +217,19 @@ class LlamaEngine:
         max_length: int,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
+        cuda_graphs: bool = False,
     ) -> None:
         """dtype: what the matrices (the head too), the attention and the KV cache compute
         in (float32, bfloat16; float16 on CUDA only). The residual stream and the norms stay
         float32 in every dtype (see forward); below float32 each position's top
-        RESCORED_LOGITS logits are recomputed in float32 (head_logits)."""
+        RESCORED_LOGITS logits are recomputed in float32 (head_logits).
+        cuda_graphs (CUDA only): one-token decode steps replay CUDA graphs (DecodeSteps)."""
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype {dtype}: expected one of {COMPUTE_DTYPES}")
         if dtype == torch.float16 and torch.device(device).type == "cpu":
             raise ValueError("float16 runs on CUDA only; on the CPU use bfloat16 or float32")
+        if cuda_graphs and torch.device(device).type != "cuda":
+            raise ValueError(f"cuda_graphs runs on CUDA only, not on {device}")
         self.config = config
         self.num_slots = num_slots
         self.max_length = max_length
@@ -249,10 +259,13 @@ class LlamaEngine:
         self.final_norm = vector("model.norm.weight")
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
         c = config
-        shape = (c.num_layers, num_slots, c.num_kv_heads, max_length, c.head_dim)
+        # One spare position past max_length: the padding rows of a CUDA graph's decode step
+        # write their keys and values there (DecodeSteps); nothing ever reads it.
+        shape = (c.num_layers, num_slots, c.num_kv_heads, max_length + 1, c.head_dim)
         self.k_cache = zeroed_cache(shape, dtype, self.device)
         self.v_cache = zeroed_cache(shape, dtype, self.device)
         self.inv_freq = rope_inv_freq(c).to(self.device)
+        self.decode_steps = DecodeSteps(self) if cuda_graphs else None
 
     def _layer(self, weights: dict[str, torch.Tensor], i: int) -> LayerWeights:
         """Layer i's matrices in the compute dtype (q, k, v as one; gate, up as one)."""
@@ -282,9 +295,10 @@ class LlamaEngine:
         max_length: int,
         device="cpu",
         dtype: torch.dtype = torch.float32,
+        cuda_graphs: bool = False,
     ) -> LlamaEngine:
         config, weights = load_hf_checkpoint(path)  # float32; __init__ casts the matrices to dtype
-        return cls(config, weights, num_slots, max_length, device, dtype)
+        return cls(config, weights, num_slots, max_length, device, dtype, cuda_graphs)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (N, hd/2)
@@ -329,7 +343,8 @@ class LlamaEngine:
                 looped += rows
             else:
                 batched.append(self._batch_rows(rows, width, slot_ids, cache_lengths, starts))
-        return AttentionPlan(batched, looped)
+        rows_alone = [(slot_ids[r], cache_lengths[r], starts[r], starts[r + 1]) for r in looped]
+        return AttentionPlan(batched, rows_alone)
 
     def _batch_rows(self, rows, width, slot_ids, cache_lengths, starts) -> BatchedAttention:
         """One call for `rows`, each adding `width` tokens. Rows whose slots fill at least
@@ -430,30 +445,71 @@ class LlamaEngine:
         num_logits: list[int],  # (B,) trailing positions per row that need logits
     ) -> torch.Tensor:
         """Appends the rows' tokens to their slots; returns (sum(num_logits), V) logits."""
-        c = self.config
         for length, cache_length in zip(input_lengths, cache_lengths, strict=True):
             if length <= 0 or cache_length + length > self.max_length:
                 raise ValueError(
                     f"row of {length} new tokens after {cache_length} cached positions does "
                     f"not fit max_length {self.max_length}"
                 )
-        n = input_ids.shape[0]
+        if self.decode_steps is not None and self.decode_steps.fits(input_lengths, num_logits):
+            return self.decode_steps.run(input_ids, slot_ids, cache_lengths)
         positions = torch.cat(
             [torch.arange(cl, cl + ln) for cl, ln in zip(cache_lengths, input_lengths, strict=True)]
         ).to(self.device)
         token_slots = torch.repeat_interleave(
             torch.tensor(slot_ids), torch.tensor(input_lengths)
         ).to(self.device)
-        cos, sin = self._rope(positions)
         starts = [0]
         for length in input_lengths:
             starts.append(starts[-1] + length)
-
         plan = self._plan_attention(input_lengths, slot_ids, cache_lengths, starts)
+        picks = torch.cat(
+            [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
+        ).to(self.device)
+        return self._decode(input_ids.to(self.device), positions, token_slots, plan, picks)
+
+    def _padded_decode(self, step: DecodeStep) -> torch.Tensor:
+        """(step.rows, V) logits of a padded decode step (DecodeSteps), from its inputs
+        alone: the masks are made on the device, so a graph replays the step whole."""
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        input_ids, positions, slots, last_keys = step.inputs
+        limits = last_keys  # (span,): the last key position each place of the layout sees
+        slot_range: slice | torch.Tensor = slots
+        span, dests = step.rows, step.row_index
+        order: torch.Tensor | None = step.row_index
+        if step.in_place:  # every slot's place; slots no row holds see key 0 (never read)
+            span, dests, order, slot_range = self.num_slots, slots, None, slice(0, self.num_slots)
+            limits = last_keys.new_zeros(span).index_copy_(0, slots, last_keys)
+        allowed = torch.arange(step.keys, device=self.device)[None, :] <= limits[:, None]
+        mask = torch.zeros(span, 1, group, step.keys, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed[:, None, None, :], -math.inf)  # (span, 1, group, keys)
+        attention = BatchedAttention(
+            slots=slot_range,
+            span=span,
+            width=1,
+            keys=step.keys,
+            sources=step.row_index,
+            dests=dests,
+            mask=mask,
+            order=order,
+        )
+        return self._decode(input_ids, positions, slots, AttentionPlan([attention], []), None)
+
+    def _decode(
+        self, input_ids, positions, token_slots, plan: AttentionPlan, picks
+    ) -> torch.Tensor:
+        """The decoder over packed tokens (N,) at `positions` of slots `token_slots`: writes
+        their keys and values, attends as `plan` says, and returns the logits of the tokens
+        `picks` selects ((M,) indices; None: every token) as (M, V). Nothing here waits for
+        the device, so a CUDA graph can capture it (DecodeSteps)."""
+        c = self.config
+        n = input_ids.shape[0]
+        cos, sin = self._rope(positions)
         # The residual stream x and the norms stay float32 in every dtype: the matrices read
         # their input in the compute dtype and their outputs are added back in float32.
         dtype = self.dtype
-        x = F.embedding(input_ids.to(self.device), self.embed).float()  # (N, H)
+        x = F.embedding(input_ids, self.embed).float()  # (N, H)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
@@ -468,22 +524,132 @@ class LlamaEngine:
             attn = torch.empty_like(q)  # (N, nh, hd)
             for batch in plan.batched:
                 self._batched_attention(li, q, attn, batch)
-            for row in plan.looped_rows:
-                self._row_attention(
-                    li, q, attn, slot_ids[row], cache_lengths[row], starts[row], starts[row + 1]
-                )
+            for slot, cache_length, start, end in plan.looped:
+                self._row_attention(li, q, attn, slot, cache_length, start, end)
             x.add_(F.linear(attn.reshape(n, q_size), layer["o"]))  # float32 += compute dtype
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps).to(dtype)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
             x.add_(F.linear(F.silu(gate) * up, layer["down"]))
 
-        picks = torch.cat(
-            [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
-        ).to(self.device)
-        h = rms_norm(x[picks], self.final_norm, c.rms_norm_eps)
-        logits = self.head_logits(h)  # (sum(num_logits), V or head size)
+        h = rms_norm(x if picks is None else x[picks], self.final_norm, c.rms_norm_eps)
+        logits = self.head_logits(h)  # (M, V or head size)
         if self.head_token_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], c.vocab_size), float("-inf"))
         full[:, self.head_token_ids] = logits
-        return full  # (sum(num_logits), V)
+        return full  # (M, V)
+
+
+def rows_bucket(rows: int, num_slots: int) -> int:
+    """The rows a decode step is padded to: the next power of two, at most num_slots."""
+    return min(1 << (rows - 1).bit_length(), num_slots)
+
+
+def keys_bucket(keys: int, max_length: int) -> int:
+    """The key positions a decode step attends over: the next power of two from
+    MIN_KEYS_BUCKET, at most max_length (positions past a row's own are masked)."""
+    return min(max(MIN_KEYS_BUCKET, 1 << (keys - 1).bit_length()), max_length)
+
+
+@dataclass
+class DecodeStep:
+    """One padded decode step's fixed shapes and its inputs, in place for a CUDA graph."""
+
+    rows: int  # padded rows: a rows_bucket
+    keys: int  # key positions attended over: a keys_bucket
+    in_place: bool  # attend over a view of every slot (else over a copy of the rows' slots)
+    # (4, rows) int64 on the device: token ids, positions, slots, and each row's last key
+    # position (its new token's; 0 for a padding row). One host-to-device copy fills it.
+    inputs: torch.Tensor
+    row_index: torch.Tensor  # (rows,) 0..rows-1 on the device
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # (rows, V): where the graph writes its output
+
+
+class DecodeSteps:
+    """Decode steps (every row adds one token and asks for its logits) replayed from CUDA
+    graphs: without them each step launches every kernel of every layer from Python, which
+    costs more than the arithmetic of a small model on a GPU.
+
+    A graph fixes shapes, so a step is padded: to rows_bucket(rows) rows (padding rows take
+    slots no row of the step holds, write their keys and values to the spare position past
+    max_length, and their logits are dropped) and to keys_bucket(longest + 1) key positions
+    (masked past each row's own). The graph of each (rows, keys) pair is captured on first
+    use (torch.cuda.CUDAGraph, all graphs in one memory pool) and replayed once its inputs
+    are filled. Attention is in place as in eager mode where the padded rows fill at least
+    half the slots: over a view of the whole slot cache, each row's queries in its own
+    slot's place; sparser steps attend over a copy of their rows' slots (a graph cannot
+    follow the slot range a step happens to span). The logits returned are a copy: the next
+    replay rewrites the graph's output.
+
+    capture=False runs the same padded step without graphs (tests/test_decode_steps.py
+    checks the padding and masks on the CPU; a CUDA test compares replayed logits with eager
+    ones)."""
+
+    def __init__(self, engine: LlamaEngine, capture: bool = True) -> None:
+        self.engine = engine
+        self.capture = capture
+        self.steps: dict[tuple[int, int], DecodeStep] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def fits(self, input_lengths: list[int], num_logits: list[int]) -> bool:
+        rows = len(input_lengths)
+        one_token = all(n == 1 for n in input_lengths) and all(n == 1 for n in num_logits)
+        return one_token and 0 < rows <= self.engine.num_slots
+
+    def run(self, input_ids: torch.Tensor, slot_ids: list[int], cache_lengths: list[int]):
+        """(rows, V) logits of one decode step: each row's token appended to its slot."""
+        engine, rows = self.engine, len(slot_ids)
+        key = (
+            rows_bucket(rows, engine.num_slots),
+            keys_bucket(max(cache_lengths) + 1, engine.max_length),
+        )
+        step = self.steps.get(key) or self._prepare(*key)
+        taken = set(slot_ids)
+        padding = [s for s in range(engine.num_slots) if s not in taken][: step.rows - rows]
+        host = torch.zeros(4, step.rows, dtype=torch.int64)
+        host[1] = engine.max_length  # padding rows: the spare position; last key 0
+        host[1, :rows] = torch.tensor(cache_lengths)
+        host[2] = torch.tensor(list(slot_ids) + padding)
+        host[3, :rows] = torch.tensor(cache_lengths)
+        step.inputs[1:].copy_(host[1:])
+        step.inputs[0, :rows].copy_(input_ids)  # a padding row's token: any id will do
+        if step.graph is None:
+            return engine._padded_decode(step)[:rows]
+        step.graph.replay()
+        assert step.logits is not None
+        return step.logits[:rows].clone()
+
+    def _prepare(self, rows: int, keys: int) -> DecodeStep:
+        engine = self.engine
+        device = engine.device
+        inputs = torch.zeros(4, rows, dtype=torch.int64, device=device)
+        inputs[1] = engine.max_length  # every row a padding row until a step fills them
+        inputs[2] = torch.arange(rows, device=device)
+        step = DecodeStep(
+            rows=rows,
+            keys=keys,
+            in_place=2 * rows >= engine.num_slots,
+            inputs=inputs,
+            row_index=torch.arange(rows, device=device),
+        )
+        if self.capture:
+            self._capture(step)
+        self.steps[(rows, keys)] = step
+        return step
+
+    def _capture(self, step: DecodeStep) -> None:
+        """Warms up on a side stream (cuBLAS handles, kernel choices), then captures. The
+        step's inputs are all padding rows meanwhile: nothing but spare positions is
+        written."""
+        engine = self.engine
+        side = torch.cuda.Stream(engine.device)
+        side.wait_stream(torch.cuda.current_stream(engine.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                engine._padded_decode(step)
+        torch.cuda.current_stream(engine.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step.logits = engine._padded_decode(step)
+        step.graph = graph

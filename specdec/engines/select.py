@@ -1,7 +1,8 @@
 """The engine a draft_model / target_model instance runs, chosen by its `engine` parameter.
 
 - `torch`: specdec/engines/llama.py on `device` ("cpu" or "cuda"): the reference, and the GPU
-  fallback where TensorRT is not installed.
+  fallback where TensorRT is not installed; on CUDA, `cuda_graphs` replays its one-token
+  decode steps from CUDA graphs.
 - `onnxruntime`: the exported graph (specdec/engines/onnx_engine.py); exported from the checkpoint
   into `engine_dir` (default .run/engines/<checkpoint name>/onnx-float32) when missing or stale.
 - `tensorrt`: a TensorRT plan of that graph (specdec/engines/trt_engine.py), GPU only; built
@@ -110,13 +111,16 @@ def create_engine(
     device: str = "cpu",
     engine_dir: str | Path | None = None,
     dtype: str = "float32",
+    cuda_graphs: bool = False,
 ):
     """An engine with LlamaEngine's surface (forward, config, num_slots, max_length).
     dtype: DTYPES; the one chosen is written to stderr (the server's log), so a user sees
-    what `auto` picked."""
+    what `auto` picked. cuda_graphs: the torch engine on CUDA only (LlamaEngine)."""
     if kind not in ENGINES:
         raise ValueError(f"engine {kind!r}: expected one of {', '.join(ENGINES)}")
     check_dtype(dtype)
+    if cuda_graphs and kind != "torch":
+        raise ValueError(f"cuda_graphs applies to the torch engine on CUDA, not to {kind}")
     if kind == "tensorrt":
         require_tensorrt()  # first: without a GPU the dtype is not the problem
     chosen = engine_dtype(kind, dtype, device)
@@ -131,7 +135,7 @@ def create_engine(
         from specdec.engines.llama import LlamaEngine
 
         return LlamaEngine.from_checkpoint(
-            checkpoint, num_slots, max_length, device, dtype=getattr(torch, chosen)
+            checkpoint, num_slots, max_length, device, getattr(torch, chosen), cuda_graphs
         )
     if kind == "onnxruntime":
         from specdec.engines.onnx_engine import OnnxEngine
