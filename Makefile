@@ -19,7 +19,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-draft loadtest soak clean
+.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-draft bench-overhead loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -106,6 +106,25 @@ bench: models
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models
 	$(PY) -m build.bench_draft
+
+# The loop's host work per iteration (issue 29): a random 1-layer Llama with the target's
+# vocabulary and tokenizer (build/tiny_checkpoint.py) served as both target and draft, so the
+# model costs next to nothing and greedy drafts are all accepted. On one server of its own
+# (256 slots, float32), at STREAMS streams: k = 0 and k = 4, greedy and sampled (temperature
+# 0.8), stream_interval 1 and 16, and k = 0 again (the noise floor), in interleaved windows.
+# Tokens/s, iterations/s, ms per iteration by loop part and bytes per engine call:
+# results/bench-overhead.{json,csv,png} (sized for about 15 minutes on an idle 2-core host).
+TINY_CHECKPOINT := $(CURDIR)/.run/tiny-llama
+LEVEL_SECONDS ?= 8
+STREAMS ?= 1,16,64,256
+OVERHEAD_MAX_TOKENS ?= 64
+OVERHEAD_MODES ?= k0,k4,k0-sampled,k4-sampled,k0-si16,k4-si16,k0-sampled-si16,k4-sampled-si16,k0-again
+bench-overhead: models
+	$(PY) -m build.tiny_checkpoint --out $(TINY_CHECKPOINT)
+	$(PY) loadtest/bench.py --name bench-overhead --workloads chat --modes $(OVERHEAD_MODES) \
+		--concurrency $(STREAMS) --level-seconds $(LEVEL_SECONDS) \
+		--max-tokens $(OVERHEAD_MAX_TOKENS) --server-env \
+		TARGET_CHECKPOINT=$(TINY_CHECKPOINT),DRAFT_CHECKPOINT=$(TINY_CHECKPOINT),NUM_SLOTS=256,MAX_CONTEXT=512,DTYPE=float32
 
 # 10 minutes of bounded load on a server of its own: zero failures, memory growth < 10%.
 soak: models

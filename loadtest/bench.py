@@ -6,6 +6,10 @@ Workloads: `chat` (loadtest/prompts.jsonl) and `grounded` (loadtest/prompts_grou
 answers that copy or rework text given in the prompt). Modes: k0 (no speculation), draft and
 ngram (one proposer alone, k chosen by the server), adaptive (the server's choice of
 proposer and k per row), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
+Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy) and `-si<N>` (the
+request's stream_interval: a response each time N output tokens have gathered), in that
+order, e.g. `k4-sampled-si16`; each is compared with k0 of the same suffixes where the run
+has it (`make bench-overhead` runs them).
 
 At each concurrency level the modes take turns in two windows each, in mirrored order (k0
 k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so that drift in the
@@ -14,8 +18,10 @@ target call measured 10% apart a few minutes later. In a window, `concurrency` w
 each on its own gRPC stream, send streamed greedy requests back to back, their ends
 staggered as under real traffic (see StaggeredLoad). Output tokens/s is the server's
 emitted-token counter over the windows' steady part. Per level and mode it also records
-p50/p99 request latency, time to first token and inter-chunk latency, and the acceptance
-rate. Writes results/<name>.json, .csv and .png and prints tokens/s ratios against k = 0.
+p50/p99 request latency, time to first token and inter-chunk latency, the acceptance rate,
+and from the server's counters iterations/s, ms per iteration by loop part and the bytes
+each engine call returned (n/a where the server does not count them). Writes
+results/<name>.json, .csv and .png and prints tokens/s ratios against k = 0 and the parts.
 Without --url it starts its own server.
 
 Then, if asked, k = 0 on a second server that differs in settings, against this server's
@@ -38,22 +44,34 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from common import (
+    ENGINE_CALL_KINDS,
     MODES,
     TIMED_PARTS,
+    VARIANT,
     WORKLOADS,
     deltas,
     finish_axes,
     load_prompts,
     mirrored_order,
+    mode_inputs,
     parse_env,
+    per_call,
     per_iteration,
     percentile,
     server_counters,
-    unknown_modes,
+    unknown_variants,
 )
-from specdec.client import GenerationResult, StreamingClient, generate
+from specdec.client import INPUT_TYPES, GenerationResult, StreamingClient, generate
 from specdec.paths import PROJECT_ROOT
+
+# The -si<N> modes' input, for a specdec.client that does not declare it yet.
+INPUT_TYPES.setdefault("stream_interval", ("INT32", np.int32))
+# Requests of one stream that may fail in a row before its window's first token; then the
+# run stops with the server's error (a mode the server refuses would spin forever).
+MAX_FAILED = 3
 
 
 @dataclass
@@ -100,9 +118,12 @@ class BenchConfig:
     second: SecondServer | None = None  # then k = 0 against a second server (None: not)
 
     def validate(self) -> None:
-        unknown = unknown_modes(self.modes)
+        unknown = unknown_variants(self.modes)
         if unknown:
-            raise ValueError(f"--modes: unknown {', '.join(unknown)}; of {', '.join(MODES)}")
+            raise ValueError(
+                f"--modes: unknown {', '.join(unknown)}; of {', '.join(MODES)}, each optionally "
+                "followed by -sampled and -si<N>"
+            )
         if [w for w in self.workloads if w not in WORKLOADS]:
             raise ValueError(f"--workloads: of {', '.join(WORKLOADS)}")
         if not (self.modes and self.concurrency) and self.second is None:
@@ -139,6 +160,16 @@ class LevelResult:
     schedule_ms_per_iteration: float = 0.0
     respond_ms_per_iteration: float = 0.0
     outbox_ms_per_iteration: float = 0.0  # sending, metric updates (inline: within respond)
+    iterations_per_s: float = 0.0
+    # The mode's decoding (mode_inputs): 0 = greedy; a response per stream_interval tokens.
+    temperature: float = 0.0
+    stream_interval: int = 1
+    # Engine calls per iteration and bytes each returned, by kind (common.per_call; None: the
+    # server does not count them, or made no such call).
+    draft_calls_per_iteration: float | None = None
+    draft_bytes_per_call: float | None = None
+    target_calls_per_iteration: float | None = None
+    target_bytes_per_call: float | None = None
 
 
 @dataclass
@@ -192,6 +223,8 @@ class StaggeredLoad:
         self.busy = [False] * concurrency  # a request under way
         self.first_token = [False] * concurrency  # the stream has had a token this window
         self.stopping = False
+        self.num_failed = [0] * concurrency  # requests failed before the window's first token
+        self.failure: str | None = None  # set once a stream has had MAX_FAILED of them
         self.changed = threading.Condition()
         self.threads = [
             threading.Thread(target=self._stream, args=(i,), daemon=True)
@@ -233,23 +266,31 @@ class StaggeredLoad:
                     self.prompts[prompt],
                     max_tokens=max_tokens,
                     stream=True,
-                    **MODES[mode],
+                    **mode_inputs(mode),
                     return_perf_metrics=True,
                     return_num_output_tokens=True,
                     exclude_input_in_output=True,
                     on_chunk=on_chunk,
                 )
+                error = request.result.error
+                if error is not None and not self.first_token[index]:
+                    self.num_failed[index] += 1
+                    if self.num_failed[index] >= MAX_FAILED:
+                        self.failure = f"{mode}: {error.message()}"
 
     def _wait(self, condition: Callable[[], bool]) -> None:
         with self.changed:
             while not self.changed.wait_for(condition, timeout=0.05):
                 if not all(thread.is_alive() for thread in self.threads):
                     raise RuntimeError("a load stream died (the server stopped answering?)")
+                if self.failure is not None:  # the window would wait for its first token forever
+                    raise RuntimeError(f"requests fail before any token: {self.failure}")
 
     def window(self, mode: str, seconds: float) -> MeasuredWindow:
         """`seconds` of steady load in `mode`, counted; returns once the load has drained."""
         with self.changed:
             self.first_token = [False] * self.concurrency
+            self.num_failed = [0] * self.concurrency
             self.mode = mode
             self.changed.notify_all()
         self._wait(lambda: all(self.first_token))
@@ -306,6 +347,7 @@ def summarize(
         name: sum(w.counters.get(name, 0.0) for w in windows)
         for name in ("tokens", "iterations", *TIMED_PARTS)
     }
+    inputs = mode_inputs(mode)
     return LevelResult(
         workload=workload,
         mode=mode,
@@ -327,7 +369,23 @@ def summarize(
         inter_chunk_p50_s=percentile(gaps, 50),
         inter_chunk_p99_s=percentile(gaps, 99),
         **per_iteration(totals),
+        iterations_per_s=totals["iterations"] / seconds,
+        temperature=inputs.get("temperature", 0.0),
+        stream_interval=inputs.get("stream_interval", 1),
+        **engine_calls(windows, totals["iterations"]),
     )
+
+
+def engine_calls(windows: list[MeasuredWindow], iterations: float) -> dict[str, float | None]:
+    """Engine calls per iteration and bytes per call over the windows (common.per_call),
+    from the counters that every window has."""
+    names = [f"{call}_{what}" for call in ENGINE_CALL_KINDS for what in ("calls", "result_bytes")]
+    totals = {
+        name: sum(w.counters[name] for w in windows)
+        for name in names
+        if windows and all(name in w.counters for w in windows)
+    }
+    return per_call({"iterations": iterations, **totals})
 
 
 def window_schedule(modes: list[str], level_index: int, rounds: int = 1) -> list[str]:
@@ -336,21 +394,63 @@ def window_schedule(modes: list[str], level_index: int, rounds: int = 1) -> list
     return [m for r in range(rounds) for m in mirrored_order(modes, level_index + r)]
 
 
+def baseline(mode: str, modes: list[str]) -> str | None:
+    """The mode `mode` is compared with: k0 with the same variant suffixes (k4-sampled-si16:
+    k0-sampled-si16) where the run has it, else k0 (k0-sampled-si16: k0); None for k0 itself
+    and where the run has neither."""
+    match = VARIANT.fullmatch(mode)
+    suffixes = mode[len(match["base"]) :] if match else ""
+    for candidate in (f"k0{suffixes}", "k0"):
+        if candidate in modes and candidate != mode:
+            return candidate
+    return None
+
+
 def ratio_table(levels: list[LevelResult], modes: list[str]) -> str:
-    """tokens/s per workload, level and mode, and each mode's ratio to k0 of the same level."""
+    """tokens/s per workload, level and mode, and each mode's ratio to its baseline (k0 of
+    the same level and variant)."""
     by_key = {(r.workload, r.mode, r.concurrency): r for r in levels}
+    compared = [(m, b) for m in modes if (b := baseline(m, modes)) is not None]
     header = "| workload | concurrency | " + " | ".join(f"{m} tok/s" for m in modes)
-    if "k0" in modes:
-        header += " | " + " | ".join(f"{m}/k0" for m in modes if m != "k0")
+    if compared:
+        header += " | " + " | ".join(f"{m}/{b}" for m, b in compared)
     lines = [header + " |", "|" + "---|" * (header.count("|") - 1)]
     for workload, c in sorted({(r.workload, r.concurrency) for r in levels}):
         row = [f"{by_key[(workload, m, c)].tokens_per_s:.1f}" for m in modes]
-        if "k0" in modes:
-            base = by_key[(workload, "k0", c)].tokens_per_s
-            row += [
-                f"{by_key[(workload, m, c)].tokens_per_s / base:.2f}x" for m in modes if m != "k0"
-            ]
+        row += [
+            f"{by_key[(workload, m, c)].tokens_per_s / by_key[(workload, b, c)].tokens_per_s:.2f}x"
+            for m, b in compared
+        ]
         lines.append(f"| {workload} | {c} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _bytes(value: float | None, counted: bool) -> str:
+    """Bytes per call for a table: n/a where the server does not count them, - for no call."""
+    if value is None:
+        return "-" if counted else "n/a"
+    if value >= 1e5:
+        return f"{value / 1e6:.2f} MB"
+    return f"{value / 1e3:.1f} kB" if value >= 1e3 else f"{value:.0f} B"
+
+
+def parts_table(levels: list[LevelResult]) -> str:
+    """Per level and mode: tokens/s, iterations/s, ms per iteration by loop part and the
+    bytes each engine call returned."""
+    parts = " | ".join(f"{part} ms" for part in TIMED_PARTS)
+    header = (
+        f"| workload | streams | mode | tok/s | it/s | tokens/it | {parts} | "
+        "draft B/call | target B/call |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in sorted(levels, key=lambda r: (r.workload, r.concurrency)):
+        ms = " | ".join(f"{getattr(r, f'{part}_ms_per_iteration'):.1f}" for part in TIMED_PARTS)
+        lines.append(
+            f"| {r.workload} | {r.concurrency} | {r.mode} | {r.tokens_per_s:.1f} | "
+            f"{r.iterations_per_s:.1f} | {r.tokens_per_iteration:.1f} | {ms} | "
+            f"{_bytes(r.draft_bytes_per_call, r.draft_calls_per_iteration is not None)} | "
+            f"{_bytes(r.target_bytes_per_call, r.target_calls_per_iteration is not None)} |"
+        )
     return "\n".join(lines)
 
 
@@ -372,21 +472,23 @@ def plot(levels: list[LevelResult], modes: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     workloads = sorted({r.workload for r in levels})
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
-    for axis, workload in zip(axes[0], workloads, strict=True):
+    width = len(workloads)
+    fig, axes = plt.subplots(2, width, figsize=(5.5 * width, 8.4), squeeze=False)
+    for column, workload in enumerate(workloads):
         for mode in modes:
             rows = sorted(
                 (r for r in levels if r.mode == mode and r.workload == workload),
                 key=lambda r: r.concurrency,
             )
-            axis.plot(
-                [r.concurrency for r in rows],
-                [r.tokens_per_s for r in rows],
-                marker="o",
-                label=mode,
-            )
-        axis.set_title(workload)
-    finish_axes([(axis, "output tokens/s") for axis in axes[0]], "concurrent streams")
+            streams = [r.concurrency for r in rows]
+            axes[0][column].plot(streams, [r.tokens_per_s for r in rows], marker="o", label=mode)
+            loop_ms = [1000 / r.iterations_per_s if r.iterations_per_s else 0.0 for r in rows]
+            axes[1][column].plot(streams, loop_ms, marker="o", label=mode)
+    finish_axes(
+        [(axis, f"{w}: output tokens/s") for axis, w in zip(axes[0], workloads, strict=True)]
+        + [(axis, f"{w}: ms per iteration") for axis, w in zip(axes[1], workloads, strict=True)],
+        "concurrent streams",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -443,7 +545,11 @@ def run_level(
             f"draft {level.draft_ms_per_iteration:.1f} "
             f"respond {level.respond_ms_per_iteration:.1f} "
             f"(outbox {level.outbox_ms_per_iteration:.1f})  "
-            f"tokens/iteration {level.tokens_per_iteration:.1f}",
+            f"tokens/iteration {level.tokens_per_iteration:.1f}  "
+            f"iterations/s {level.iterations_per_s:.1f}  bytes/call: draft "
+            f"{_bytes(level.draft_bytes_per_call, level.draft_calls_per_iteration is not None)} "
+            f"target "
+            f"{_bytes(level.target_bytes_per_call, level.target_calls_per_iteration is not None)}",
             flush=True,
         )
     return results
@@ -532,6 +638,7 @@ def report(levels: list[LevelResult], config: BenchConfig, meta: dict) -> None:
     if by_modes:
         print(ratio_table(by_modes, config.modes))
         print(f"noise floor (lowest k0-again / k0 of the run): {meta['noise_floor']}")
+    print(parts_table(levels))
     if second is not None:
         rates = {r.mode: r.tokens_per_s for r in levels if r.workload == second.workload}
         a, b = rates["k0"], rates[second.mode]
@@ -544,7 +651,10 @@ def report(levels: list[LevelResult], config: BenchConfig, meta: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--modes", default="k0,adaptive,k0-again", help=f"comma-separated, of {', '.join(MODES)}"
+        "--modes",
+        default="k0,adaptive,k0-again",
+        help=f"comma-separated, of {', '.join(MODES)}; each optionally with -sampled "
+        "(temperature 0.8) and -si<N> (stream_interval N), e.g. k4-sampled-si16",
     )
     parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOADS)}")
     parser.add_argument("--concurrency", default="1,4,16,64", help="'': no levels of the modes")

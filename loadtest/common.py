@@ -9,6 +9,7 @@ folder on sys.path and they import this module by its bare name.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from specdec.client import scrape_metrics
@@ -41,6 +42,39 @@ def unknown_modes(modes: list[str]) -> list[str]:
     return [mode for mode in modes if mode not in MODES]
 
 
+# A mode's variants (bench.py): `-sampled` samples at this temperature instead of greedy;
+# `-si<N>` sets the request's stream_interval (a response each time N output tokens gathered).
+SAMPLED_TEMPERATURE = 0.8
+VARIANT = re.compile(r"(?P<base>.+?)(?P<sampled>-sampled)?(?:-si(?P<interval>[1-9][0-9]*))?")
+
+
+def mode_inputs(name: str) -> dict:
+    """The request inputs of a MODES name with optional variant suffixes, in this order:
+    `k4-sampled-si16` is k4 at temperature 0.8 with a response every 16 output tokens.
+    stream_interval is sent only when it is not 1 (a server without it still serves the
+    rest). Raises KeyError for a name that is none of these."""
+    match = VARIANT.fullmatch(name)
+    if match is None or match["base"] not in MODES:
+        raise KeyError(name)
+    inputs = dict(MODES[match["base"]])
+    if match["sampled"]:
+        inputs["temperature"] = SAMPLED_TEMPERATURE
+    if match["interval"] and int(match["interval"]) != 1:
+        inputs["stream_interval"] = int(match["interval"])
+    return inputs
+
+
+def unknown_variants(modes: list[str]) -> list[str]:
+    """The names in `modes` that mode_inputs refuses."""
+    unknown = []
+    for mode in modes:
+        try:
+            mode_inputs(mode)
+        except KeyError:
+            unknown.append(mode)
+    return unknown
+
+
 def load_prompts(path: Path) -> list[str]:
     """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines."""
     from specdec.text.tokenizer import TextTokenizer
@@ -60,6 +94,9 @@ def mirrored_order(modes: list[str], index: int) -> list[str]:
 
 # The loop's parts, and the outbox's time (inline: within respond; threaded: beside the loop).
 TIMED_PARTS = (*LOOP_PARTS, "outbox")
+# The engine calls the loop makes, whose count and returned bytes the server counts
+# (specdec_engine_calls_total, specdec_engine_result_bytes_total; absent on older servers).
+ENGINE_CALL_KINDS = ("draft", "target")
 
 
 def loop_counters(values: dict[str, float]) -> dict[str, float]:
@@ -71,7 +108,37 @@ def loop_counters(values: dict[str, float]) -> dict[str, float]:
     for part in LOOP_PARTS:
         counters[part] = values.get(f'specdec_loop_seconds_total{{part="{part}"}}', 0.0)
     counters["outbox"] = values.get(OUTBOX_SECONDS, 0.0)
+    return counters | engine_counters(values)
+
+
+def engine_counters(values: dict[str, float]) -> dict[str, float]:
+    """Calls and returned bytes per engine call kind, from a scrape_metrics result: only
+    the kinds whose two counters the server has."""
+    counters = {}
+    for call in ENGINE_CALL_KINDS:
+        calls = f'specdec_engine_calls_total{{call="{call}"}}'
+        result_bytes = f'specdec_engine_result_bytes_total{{call="{call}"}}'
+        if calls in values and result_bytes in values:
+            counters[f"{call}_calls"] = values[calls]
+            counters[f"{call}_result_bytes"] = values[result_bytes]
     return counters
+
+
+def per_call(counted: dict[str, float]) -> dict[str, float | None]:
+    """Engine calls per iteration and bytes returned per call, by kind, from deltas of
+    loop_counters; None where the server does not count them (or, for bytes per call,
+    made no such call)."""
+    iterations = counted.get("iterations", 0.0)
+    report: dict[str, float | None] = {}
+    for call in ENGINE_CALL_KINDS:
+        calls = counted.get(f"{call}_calls")
+        result_bytes = counted.get(f"{call}_result_bytes")
+        counts = calls is not None and result_bytes is not None
+        report[f"{call}_calls_per_iteration"] = (
+            calls / iterations if counts and iterations else None
+        )
+        report[f"{call}_bytes_per_call"] = result_bytes / calls if counts and calls else None
+    return report
 
 
 def server_counters(metrics_url: str | None) -> dict[str, float]:
@@ -80,8 +147,9 @@ def server_counters(metrics_url: str | None) -> dict[str, float]:
 
 
 def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """after - before, by name: what loop_counters counted between two readings."""
-    return {name: after[name] - before[name] for name in after}
+    """after - before, by name: what loop_counters counted between two readings (a counter
+    the server created in between counted from 0)."""
+    return {name: after[name] - before.get(name, 0.0) for name in after}
 
 
 def per_iteration(counted: dict[str, float]) -> dict[str, float]:
