@@ -20,13 +20,15 @@ k + 1 logits (k = 0: a plain step; k = 4: a verify), all rows at the context len
 
 --time-contexts also times real onnxruntime calls of the exported target on this host (the
 cache filled with zeros, not prefilled: the figures are the engine's, not the answer's),
-split into the graph's run and the engine's own work around it (median of --repeats).
+split into the graph's run, the gather, the append, and the rest (padding the rows, picking
+the logits, freeing the call's tensors), median of --repeats, on --threads threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -38,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.engines.llama import LlamaConfig
 from specdec.engines.onnx_engine import GraphEngine, OnnxEngine
+from specdec.engines.onnx_export import read_manifest
 from specdec.paths import PROJECT_ROOT
 
 # Ops that write nothing: views and fresh uninitialised tensors.
@@ -53,6 +56,10 @@ class BytesConfig:
     cache_dtypes: list[str] = field(default_factory=lambda: ["float32", "float16"])
     time_contexts: list[int] = field(default_factory=list)
     repeats: int = 3
+    # Threads of torch and of onnxruntime while timing: on a busy host a second thread that
+    # is not scheduled leaves the first spinning at each barrier (seen here: 60 small writes
+    # took 0.96 s of CPU on 2 threads, 9 ms on 1).
+    threads: int = 1
     out: Path = PROJECT_ROOT / "results" / "graph_engine_bytes.json"
 
 
@@ -174,34 +181,50 @@ def count_all(config: BytesConfig) -> list[dict]:
     ]
 
 
+# Wall-clock time, and this process's CPU time (all threads): on a shared host the first
+# grows with the others' load, the second much less.
+CLOCKS = {"ms": time.perf_counter, "cpu_ms": time.process_time}
+
+
 class TimedOnnxEngine(OnnxEngine):
-    """OnnxEngine with the seconds of each part of a call added up."""
+    """OnnxEngine with the time of each part of a call added up, on both CLOCKS, its
+    onnxruntime session on THREADS threads."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.seconds: dict[str, float] = defaultdict(float)
+    threads = 1
 
-    def _call(self, call, slots, input_lengths, cache_lengths) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = super()._call(call, slots, input_lengths, cache_lengths)
-        self.seconds["call"] += time.perf_counter() - start
-        return logits
+    def __init__(self, engine_dir, num_slots: int, max_length: int) -> None:
+        import onnxruntime as ort
+
+        super().__init__(engine_dir, num_slots, max_length)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.intra_op_num_threads = options.inter_op_num_threads = self.threads
+        graph = str(Path(engine_dir) / read_manifest(Path(engine_dir))["graph"])
+        self.session = ort.InferenceSession(graph, options, providers=self.session.get_providers())
+        self.spent: dict[tuple[str, str], float] = defaultdict(float)  # (part, clock) -> s
+
+    def timed(self, part: str, action):
+        start = {clock: read() for clock, read in CLOCKS.items()}
+        result = action()
+        for clock, read in CLOCKS.items():
+            self.spent[part, clock] += read() - start[clock]
+        return result
+
+    def _call(self, *args) -> torch.Tensor:
+        return self.timed("call", lambda: OnnxEngine._call(self, *args))
 
     def _run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        start = time.perf_counter()
-        outputs = super()._run(feeds)
-        self.seconds["graph"] += time.perf_counter() - start
-        return outputs
+        return self.timed("graph", lambda: OnnxEngine._run(self, feeds))
 
     def _append(self, *args) -> None:
-        start = time.perf_counter()
-        super()._append(*args)
-        self.seconds["append"] += time.perf_counter() - start
+        self.timed("append", lambda: OnnxEngine._append(self, *args))
 
 
 def time_calls(config: BytesConfig) -> list[dict]:
     """Median ms of onnxruntime calls, whole and by part, at each --time-contexts length."""
     results = []
+    torch.set_num_threads(config.threads)
+    TimedOnnxEngine.threads = config.threads
     for context in config.time_contexts:
         new_tokens = max(config.ks) + 1
         engine = TimedOnnxEngine.from_checkpoint(
@@ -217,35 +240,33 @@ def time_calls(config: BytesConfig) -> list[dict]:
 
 def time_one(engine: TimedOnnxEngine, config: BytesConfig, context: int, k: int) -> dict:
     rows, new_tokens = config.rows, k + 1
+    args = (
+        torch.zeros(rows * new_tokens, dtype=torch.int64),
+        [new_tokens] * rows,
+        list(range(rows)),
+        [context] * rows,
+        [new_tokens] * rows,
+    )
     parts: dict[str, list[float]] = defaultdict(list)
-    for _ in range(config.repeats + 1):  # the first call warms up
-        engine.seconds.clear()
-        start = time.perf_counter()
-        engine.forward(
-            torch.zeros(rows * new_tokens, dtype=torch.int64),
-            [new_tokens] * rows,
-            list(range(rows)),
-            [context] * rows,
-            [new_tokens] * rows,
-        )
-        total = time.perf_counter() - start
-        s = engine.seconds
-        for name, value in (
-            ("total", total),
-            ("graph", s["graph"]),
-            ("gather", s["call"] - s["graph"] - s["append"]),
-            ("append", s["append"]),
-            ("logits", total - s["call"]),
-        ):
-            parts[name].append(value)
-    return {
-        "k": k,
-        "context": context,
-        **{f"{name}_ms": round(1000 * statistics.median(v[1:]), 1) for name, v in parts.items()},
-    }
+    for repeat in range(config.repeats + 1):  # the first call warms up
+        engine.spent.clear()
+        engine.timed("total", lambda: engine.forward(*args))
+        if repeat == 0:
+            continue
+        for clock in CLOCKS:
+            spent = {
+                part: engine.spent[part, clock] for part in ("total", "call", "graph", "append")
+            }
+            parts[f"total_{clock}"].append(spent["total"])
+            parts[f"graph_{clock}"].append(spent["graph"])
+            parts[f"gather_{clock}"].append(spent["call"] - spent["graph"] - spent["append"])
+            parts[f"append_{clock}"].append(spent["append"])
+            parts[f"rest_{clock}"].append(spent["total"] - spent["call"])
+    medians = {name: round(1000 * statistics.median(v), 1) for name, v in parts.items()}
+    return {"k": k, "context": context, **medians}
 
 
-def markdown(counted: list[dict], timed: list[dict], rows: int) -> str:
+def markdown(counted: list[dict], timed: list[dict], rows: int, threads: int = 1) -> str:
     """One line per cache dtype, k and context: the engine's copies with every row at the
     context length, and what attention in place would read then and with rows spread."""
     mb = 1e6
@@ -267,28 +288,32 @@ def markdown(counted: list[dict], timed: list[dict], rows: int) -> str:
         cells.append(f"{other['in_place_read'] / mb:,.1f}" if other else "-")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if timed:
-        keys = ("total_ms", "graph_ms", "gather_ms", "append_ms", "logits_ms")
+        parts = ("total", "graph", "gather", "append", "rest")
         lines += [
             "",
-            "onnxruntime on this host, ms per call (median):",
+            f"onnxruntime on this host ({os.cpu_count()} CPUs, {threads} thread(s), load average "
+            f"{os.getloadavg()[0]:.1f}), ms per call, median: wall clock / this process's CPU",
             "",
-            "| k | context | total | graph | gather | append | logits |",
-            "|---|---|---|---|---|---|---|",
+            "| k | context | " + " | ".join(parts) + " |",
+            "|---|---|" + "---|" * len(parts),
         ]
         for t in timed:
-            cells = [t["k"], t["context"], *(t[x] for x in keys)]
+            cells = [t["k"], t["context"], *(f"{t[p + '_ms']} / {t[p + '_cpu_ms']}" for p in parts)]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def run(config: BytesConfig) -> dict:
     counted = count_all(config)
+    load_before = os.getloadavg()[0]
     timed = time_calls(config) if config.time_contexts else []
     report = {"config": {k: str(v) for k, v in asdict(config).items()}}
-    report |= {"counted": counted, "timed": timed, "torch_threads": torch.get_num_threads()}
+    report |= {"counted": counted, "timed": timed}
+    # Timings on a shared host: the 1-minute load average before and after, beside them.
+    report["load_average"] = [load_before, os.getloadavg()[0]] if timed else None
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(report, indent=2) + "\n")
-    config.out.with_suffix(".md").write_text(markdown(counted, timed, config.rows))
+    config.out.with_suffix(".md").write_text(markdown(counted, timed, config.rows, config.threads))
     return report
 
 
@@ -308,6 +333,7 @@ def parse_args(argv: list[str] | None = None) -> BytesConfig:
     )
     parser.add_argument("--time-contexts", type=int_list, default=[], help="e.g. 128,512")
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="while timing")
     parser.add_argument("--out", type=Path, default=defaults.out)
     return BytesConfig(**vars(parser.parse_args(argv)))
 
@@ -316,7 +342,7 @@ def main() -> None:
     config = parse_args()
     report = run(config)
     print(config.out.with_suffix(".md").read_text(), end="")
-    print(f"written: {config.out} (torch threads {report['torch_threads']})")
+    print(f"written: {config.out} (load average {report['load_average']})")
 
 
 if __name__ == "__main__":
