@@ -99,12 +99,12 @@ def _padded(scores: torch.Tensor) -> torch.Tensor:
     return scores.reshape(scores.shape[0], num_blocks, BLOCK)
 
 
-def gumbel_argmax_dense(
+def perturbed_scores(
     scores: torch.Tensor,  # (R, V) log-probabilities up to a constant per row; -inf: excluded
     seeds: torch.Tensor,  # (R,) int64
     positions: torch.Tensor,  # (R,) int64, the sampled token's position in its sequence
 ) -> torch.Tensor:
-    """(R,) int64 tokens: argmax(scores + noise), all the noise made (the reference)."""
+    """(R, V) float32 scores + noise, all the noise made: the draw is their argmax."""
     keys = row_keys(seeds.to(scores.device), positions.to(scores.device))
     padded = _padded(scores)  # (R, NB, S)
     num_rows, num_blocks, _ = padded.shape
@@ -113,7 +113,16 @@ def gumbel_argmax_dense(
     own = _token_exponentials(keys, token_ids.expand(num_rows, -1)).view_as(padded)
     own.scatter_(-1, winner[..., None], 0.0)
     values = padded - torch.log(smallest[..., None] + own)
-    return values.view(num_rows, -1).argmax(dim=-1)
+    return values.view(num_rows, -1)[:, : scores.shape[1]]
+
+
+def gumbel_argmax_dense(
+    scores: torch.Tensor,  # (R, V)
+    seeds: torch.Tensor,  # (R,) int64
+    positions: torch.Tensor,  # (R,) int64
+) -> torch.Tensor:
+    """(R,) int64 tokens: the argmax of perturbed_scores (the reference)."""
+    return perturbed_scores(scores, seeds, positions).argmax(dim=-1)
 
 
 def gumbel_argmax(
