@@ -24,6 +24,7 @@ from specdec.serving.responses import PERF_OUTPUTS
 INPUT_TYPES: dict[str, tuple[str, type]] = {
     "max_tokens": ("INT32", np.int32),
     "stream": ("BOOL", np.bool_),
+    "stream_interval": ("INT32", np.int32),
     "temperature": ("FP32", np.float32),
     "top_p": ("FP32", np.float32),
     "top_k": ("INT32", np.int32),

@@ -84,7 +84,10 @@ def main() -> None:
         help="also start the OpenAI-compatible API (specdec.openai_api, OPENAI_PORT)",
     )
     args = parser.parse_args()
-    config = ServerConfig.from_env()
+    try:
+        config = ServerConfig.from_env()
+    except ValueError as error:  # a bad setting, named: refused before the server starts
+        sys.exit(f"specdec.launch: {error}")
     if args.openai:
         start_openai_api()
     print(

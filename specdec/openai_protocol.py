@@ -73,6 +73,7 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     user: str | None = None  # accepted and not used
     num_draft_tokens: int | None = Field(None, ge=0)  # extension: 0 = no speculation
+    stream_interval: int | None = Field(None, ge=1)  # extension: output tokens per chunk
 
     @property
     def stop_words(self) -> list[str]:
@@ -143,6 +144,7 @@ def triton_params(body: _Sampling, max_tokens: int) -> dict[str, int | float | l
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "num_draft_tokens": body.num_draft_tokens,
+        "stream_interval": body.stream_interval,
     }
     if body.stop_words:
         params["stop_words"] = body.stop_words

@@ -6,9 +6,12 @@ onnxruntime or tensorrt; specdec/engines/select.py), DEVICE (torch engine: cpu o
 (the engines' precision: float32, bfloat16, float16 or auto; unset: the committed float32),
 DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
 .run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
-DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RESPONSE_THREAD (false:
-send each iteration's responses on a thread beside the loop; specdec/serving/outbox.py),
-RUN_DIR (.run). The
+DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RESPONSE_THREAD (auto,
+true or false: send each iteration's responses on a thread beside the loop; auto: with 4 or
+more usable cores; specdec/serving/outbox.py), STREAM_INTERVAL (1: output tokens a streamed
+sequence gathers between responses, for requests that send no stream_interval), RUN_DIR
+(.run). STREAM_INTERVAL and RESPONSE_THREAD are checked here, before the server starts
+(specdec/serving/settings.py). The
 repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
 configs stay usable as they are (docker compose mounts them).
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent
+from specdec.serving.settings import ENV_CHECKS
 
 ENGINE_MODELS = ("draft_model", "target_model")
 BLS_MODELS = ("speculative_decoding",)
@@ -42,7 +46,8 @@ ENV_PARAMETERS = {
     "TARGET_CHECKPOINT": ("checkpoint", ("target_model", "preprocessing") + BLS_MODELS),
     "DRAFT_CHECKPOINT": ("checkpoint", ("draft_model",)),
     "MAX_QUEUE": ("max_queue", BLS_MODELS),
-    "RESPONSE_THREAD": ("response_thread", BLS_MODELS),
+    "RESPONSE_THREAD": ("response_thread", BLS_MODELS),  # auto, true, false
+    "STREAM_INTERVAL": ("stream_interval", BLS_MODELS),
     "DEFAULT_NUM_DRAFT_TOKENS": ("default_num_draft_tokens", BLS_MODELS),
 }
 
@@ -61,7 +66,11 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerConfig:
+        """Raises ValueError naming the variable for a bad STREAM_INTERVAL or RESPONSE_THREAD."""
         env = dict(os.environ if env is None else env)
+        for var, check in ENV_CHECKS.items():
+            if env.get(var):
+                check(var, env[var])
         config = cls(
             http_port=int(env.get("HTTP_PORT", 8000)),
             grpc_port=int(env.get("GRPC_PORT", 8001)),

@@ -9,7 +9,12 @@ import pytest
 from conftest import hf_greedy_text
 from live import scrape, start_bystander, start_victim, wait_for
 from specdec.client import generate
-from specdec.serving.metric_names import LOOP_PARTS
+from specdec.serving.metric_names import (
+    ENGINE_CALLS,
+    ENGINE_RESULT_BYTES,
+    LOOP_PARTS,
+    PASSES_BY_TOKENS,
+)
 
 pytestmark = pytest.mark.server
 
@@ -46,7 +51,20 @@ def test_metrics_count_what_the_loop_did(server):
     )
     assert delta("specdec_emitted_tokens_total") == result.metrics["num_output_tokens"]
     assert delta('specdec_requests_total{outcome="length"}') == 1
-    assert delta("specdec_tokens_per_target_pass_count") == delta("specdec_target_passes_total")
+    # Target passes counted by the tokens each emitted: they add up to the passes and to
+    # the tokens emitted.
+    by_tokens = {n: delta(f'{PASSES_BY_TOKENS}{{tokens="{n}"}}') for n in range(8 + 2)}  # k <= 8
+    assert sum(by_tokens.values()) == delta("specdec_target_passes_total") > 0
+    assert sum(n * passes for n, passes in by_tokens.items()) == result.metrics["num_output_tokens"]
+    # Engine calls: one target call per iteration; the draft model's where it proposed (it
+    # may also be called to catch up without proposing).
+    calls = {c: delta(f'{ENGINE_CALLS}{{call="{c}"}}') for c in ("draft", "target")}
+    result_bytes = {c: delta(f'{ENGINE_RESULT_BYTES}{{call="{c}"}}') for c in ("draft", "target")}
+    assert calls["target"] == delta("specdec_iterations_total") > 0
+    assert result_bytes["target"] > 0
+    drafted = delta('specdec_proposer_draft_tokens_total{proposer="draft_model"}') > 0
+    assert calls["draft"] > 0 or not drafted
+    assert (calls["draft"] > 0) == (result_bytes["draft"] > 0)
     assert after["specdec_free_kv_slots"] == NUM_SLOTS
     assert after["specdec_queued_requests"] == 0
     for name in (

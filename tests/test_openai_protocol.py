@@ -61,6 +61,10 @@ def test_validation_errors_name_the_field():
         CompletionRequest.model_validate({"model": "m", "prompt": 3})
     assert validation_error(union.value.errors()).param == "prompt"
 
+    with pytest.raises(ValidationError) as interval:
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stream_interval": 0})
+    assert validation_error(interval.value.errors()).param == "stream_interval"
+
 
 def test_triton_errors_become_openai_errors_naming_the_openai_field():
     bad_n = triton_error(
@@ -90,6 +94,11 @@ def test_triton_params_send_only_what_was_given():
     assert params["num_return_sequences"] == 2 and params["seed"] == 5
     assert params["temperature"] == 1.0  # OpenAI's default
     assert "num_draft_tokens" not in params and "presence_penalty" not in params
+    assert "stream_interval" not in params  # the server's default
+    streamed = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream_interval": 4}
+    )
+    assert triton_params(streamed, 16)["stream_interval"] == 4
 
 
 def test_usage_counts_each_prompt_once_and_every_sequence():

@@ -103,6 +103,15 @@ def test_pending_metrics_flush_one_call_per_counter_and_gauge():
     assert len(tokens.calls) == 1 and len(queued.calls) == 1 and len(histogram.calls) == 3
 
 
+def test_pending_metrics_set_a_gauge_only_when_its_value_changed():
+    running = FakeMetric()
+    pending = PendingMetrics()
+    for value in (4, 4, 5, 5, 4):  # one iteration each
+        pending.set(running, value)
+        pending.flush()
+    assert running.calls == [("set", 4), ("set", 5), ("set", 4)]
+
+
 def test_pending_metrics_take_unhashable_metrics():
     class Unhashable(FakeMetric):
         __hash__ = None

@@ -82,6 +82,12 @@ def test_defaults():
             {**GOOD, "proposer": np.array([[b"ngram", b"draft_model"]], dtype=np.object_)},
         ),
         ("fixed_num_draft_tokens", {**GOOD, "fixed_num_draft_tokens": np.array([[True]])}),
+        ("stream_interval", {**GOOD, "stream_interval": i32(0)}),
+        ("stream_interval", {**GOOD, "stream_interval": i32(-4)}),
+        ("stream_interval", {**GOOD, "stream_interval": f32(2.0)}),  # not an integer
+        ("stream_interval", {**GOOD, "stream_interval": text("4")}),  # a string
+        ("stream_interval", {**GOOD, "stream_interval": np.array([[True]])}),
+        ("stream_interval", {**GOOD, "stream_interval": np.array([[2, 3]], dtype=np.int32)}),
     ],
 )
 def test_bad_input_names_its_field(field, inputs):
@@ -89,6 +95,39 @@ def test_bad_input_names_its_field(field, inputs):
         parse(**inputs)
     assert raised.value.field == field
     assert str(raised.value).startswith(f"{field}:")
+
+
+def test_stream_interval_is_the_requests_or_the_servers():
+    assert parse(**GOOD).stream_interval == 1  # no server default given: 1
+    assert parse(**GOOD, stream_interval=i32(4)).stream_interval == 4
+    served = parse_request(GOOD, tokenize, 16, 8, 2, default_stream_interval=6)
+    assert served.stream_interval == 6
+    inputs = {**GOOD, "stream_interval": i32(1)}
+    own = parse_request(inputs, tokenize, 16, 8, 2, default_stream_interval=6)
+    assert own.stream_interval == 1  # the request's, even below the server's
+
+
+def test_a_bad_stream_interval_in_a_batch_names_its_batch_index():
+    good = parse_requests(
+        {**GOOD, "stream_interval": i32(3)},
+        tokenize,
+        max_context=16,
+        max_draft_tokens=8,
+        default_end_id=2,
+    )
+    assert [r.stream_interval for r in good] == [3]
+    with pytest.raises(InvalidInput, match=r"^stream_interval: .*batch_index 1"):
+        parse_requests(
+            {
+                "text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+                "max_tokens": i32(4),
+                "stream_interval": np.array([[2], [0]], dtype=np.int32),
+            },
+            tokenize,
+            max_context=16,
+            max_draft_tokens=8,
+            default_end_id=2,
+        )
 
 
 def test_prompt_at_the_context_length_is_accepted():

@@ -4,15 +4,18 @@ execute() only validates and enqueues; one loop thread owns the scheduler, calls
 models (non-decoupled, one call each per iteration) and builds every response; the outbox
 sends them after the iteration's metric updates, in order: at once, or with
 `response_thread` on a thread of its own while the loop runs the next step
-(specdec/serving/outbox.py). A request of several prompts, or of num_return_sequences > 1,
-runs one sequence per prompt and sequence; their responses share the request's sender
-(tagged with batch_index and sequence_index, specdec/serving/responses.py). Each request
-ends with exactly one FINAL response on every path: success, bad input, engine error,
-cancellation, shutdown.
+(specdec/serving/outbox.py; auto: with 4 or more usable cores). A streamed sequence answers
+once its request's stream_interval output tokens have gathered (its first text and its final
+response at once; specdec/serving/responses.py). A request of several prompts, or of
+num_return_sequences > 1, runs one sequence per prompt and sequence; their responses share
+the request's sender (tagged with batch_index and sequence_index). Each request ends with
+exactly one FINAL response on every path: success, bad input, engine error, cancellation,
+shutdown.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import json
@@ -30,16 +33,24 @@ from specdec.loop.config import SchedulerConfig
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState, Update
+from specdec.serving.cancel_ring import CancelRing
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
 from specdec.serving.outbox import Outbox, Work
-from specdec.serving.responses import response_arrays
+from specdec.serving.responses import StreamHold, response_arrays
+from specdec.serving.settings import (
+    decide_response_thread,
+    parse_response_thread,
+    parse_stream_interval,
+    usable_cores,
+)
 from specdec.text.request import InvalidInput, parse_requests
 from specdec.text.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# How often the whole queue is asked whether its streams were cancelled (_mark_cancelled).
-WAITING_CANCEL_CHECK_S = 1.0
+# Waiting requests asked per iteration, round robin, whether their streams were cancelled
+# (_mark_cancelled): bounded, so asking costs the same however long the queue is.
+WAITING_CANCEL_CHECKS = 16
 ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]
 
 
@@ -79,14 +90,6 @@ def parse_default_k(value: str) -> int | None:
     return None if value.strip().lower() == "adaptive" else int(value)
 
 
-def parse_bool(name: str, value: str) -> bool:
-    """A true/false config parameter."""
-    text = value.strip().lower()
-    if text not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"{name}: expected true or false, got {value!r}")
-    return text in ("true", "1", "yes")
-
-
 def parse_proposers(value: str) -> tuple[str, ...]:
     """The proposers parameter: comma-separated names from PROPOSERS ("" = no speculation)."""
     names = tuple(name.strip() for name in value.split(",") if name.strip())
@@ -118,7 +121,13 @@ class Client:
     num_open: int  # sequences not yet finished: the last one's response is FINAL
     sequences: list[SequenceState] = field(default_factory=list)
     sent_log_probs: dict[int, int] = field(default_factory=dict)  # sequence id -> count sent
+    hold: StreamHold = field(default_factory=StreamHold)  # streamed text not sent yet
     ended: bool = False
+
+    @property
+    def waiting(self) -> bool:
+        """Not ended, and some sequence still waits for a slot."""
+        return not self.ended and any(s.slot < 0 and not s.finished for s in self.sequences)
 
 
 def requested_outputs(request) -> set[str] | None:
@@ -133,6 +142,16 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
             raise ValueError("speculative_decoding must use the decoupled transaction policy")
         params = model_parameters(args)
+        # Settings first: a bad one stops the load at once, naming the setting.
+        self.stream_interval = parse_stream_interval(
+            "stream_interval (STREAM_INTERVAL)", params.get("stream_interval", "1")
+        )
+        threaded, why = decide_response_thread(
+            parse_response_thread(
+                "response_thread (RESPONSE_THREAD)", params.get("response_thread", "auto")
+            ),
+            usable_cores(),
+        )
         self.tokenizer = load_tokenizer(resolve_path(params["checkpoint"]))
         self.config = SchedulerConfig(
             num_slots=int(params["num_slots"]),
@@ -153,13 +172,16 @@ class TritonPythonModel:
         self.clients: dict[int, Client] = {}
         self.lock = threading.Condition()
         self.stopping = False
-        self.next_waiting_check = 0.0  # monotonic s; see _mark_cancelled
+        # Waiting requests, in the order their turn comes to be asked about cancellation
+        # (_mark_cancelled); guarded by self.lock.
+        self.cancel_ring = CancelRing[Client](lambda client: client.waiting)
         # What the loop has to send since its last hand-over to the outbox (loop thread).
         self.work: list[Work] = []
+        pb_utils.Logger.log_info(
+            f"speculative_decoding: {why}; stream_interval {self.stream_interval}"
+        )
         self.outbox = Outbox(
-            on_error=self._log_outbox_error,
-            threaded=parse_bool("response_thread", params.get("response_thread", "false")),
-            name="speculative-outbox",
+            on_error=self._log_outbox_error, threaded=threaded, name="speculative-outbox"
         )
         self.loop_thread = threading.Thread(target=self._loop, name="speculative-loop", daemon=True)
         self.loop_thread.start()
@@ -177,6 +199,7 @@ class TritonPythonModel:
                     default_end_id=self.tokenizer.eos_token_id,
                     proposers=self.config.proposers,
                     max_return_sequences=self.max_return_sequences,
+                    default_stream_interval=self.stream_interval,
                 )
                 with self.lock:
                     if self.stopping:
@@ -186,6 +209,7 @@ class TritonPythonModel:
                     client.sequences = sequences
                     for sequence in sequences:
                         self.clients[sequence.id] = client
+                    self.cancel_ring.add(client)
                     self.lock.notify()
             except InvalidInput as error:
                 self._refuse(sender, "invalid", str(error), pb_utils.TritonError.INVALID_ARG)
@@ -235,9 +259,10 @@ class TritonPythonModel:
                 updates = self.scheduler.step()
             except Exception as error:  # an engine failed: end every request, keep serving
                 with self.lock:
-                    for sequence in self.scheduler.fail_all():
+                    failed = self.scheduler.fail_all()
+                    for sequence in failed:
                         self._end(sequence, f"speculative_decoding: {error}")
-                        self.metrics.finished("error")
+                    self.metrics.finished("error", len(failed))
                     self.metrics.update_occupancy(0, 0, len(self.scheduler.free_slots))
                 self._hand_over()
                 continue
@@ -245,10 +270,10 @@ class TritonPythonModel:
             with self.lock:
                 # Metrics first: a client that scrapes right after its final response sees
                 # its request counted and its slot free.
-                for update in updates:
-                    reason = update.sequence.finish_reason
+                reasons = collections.Counter(u.sequence.finish_reason for u in updates)
+                for reason, count in reasons.items():
                     if reason is not None:
-                        self.metrics.finished(reason)
+                        self.metrics.finished(reason, count)
                 if self.scheduler.last_iteration is not None:
                     self.metrics.record_iteration(self.scheduler.last_iteration)
                 self.metrics.update_occupancy(
@@ -276,35 +301,40 @@ class TritonPythonModel:
 
     def _mark_cancelled(self) -> None:
         """Drops cancelled streams, every sequence of the request. is_cancelled() crosses a
-        process boundary, so it is asked once per request, and only where the answer changes
-        this iteration's work: the running requests and those about to get a slot every
-        iteration, the rest of the queue every WAITING_CANCEL_CHECK_S (asking all 448
-        waiting requests at 512 users each iteration cost more than the step's own work)."""
-        waiting = self.scheduler.waiting
-        now = time.monotonic()
-        if now >= self.next_waiting_check:
-            self.next_waiting_check = now + WAITING_CANCEL_CHECK_S
-            candidates = list(self.scheduler.running) + list(waiting)
-        else:
-            head = len(self.scheduler.free_slots)
-            candidates = list(self.scheduler.running) + list(itertools.islice(waiting, head))
+        process boundary (asking all 448 waiting requests at 512 users each iteration cost
+        more than the step's own work), so it is asked once per request, of at most
+        num_slots + WAITING_CANCEL_CHECKS requests per iteration however long the queue:
+        the running requests and those about to get a free slot (at most num_slots
+        together: where the answer changes this iteration's work), and the next
+        WAITING_CANCEL_CHECKS waiting requests, round robin (serving/cancel_ring.py).
+
+        Delay bound: with Q requests waiting, each is asked at least once every
+        ceil(Q / WAITING_CANCEL_CHECKS) iterations (1,024 waiting: 64 iterations), and at
+        every iteration once it is about to get a slot, so a cancelled request never runs."""
+        head = itertools.islice(self.scheduler.waiting, len(self.scheduler.free_slots))
+        candidates = [self.clients.get(s.id) for s in itertools.chain(self.scheduler.running, head)]
+        candidates += self.cancel_ring.take(WAITING_CANCEL_CHECKS)
         checked = set()
-        for sequence in candidates:
-            client = self.clients.get(sequence.id)
-            if client is None or id(client) in checked:
+        for client in candidates:
+            if client is None or client.ended or id(client) in checked:
                 continue
             checked.add(id(client))
             if client.request.is_cancelled():
-                for member in client.sequences:
-                    if member.id in self.clients:
-                        self.scheduler.cancel(member)
-                        self.metrics.finished("cancelled")
-                self._end(sequence, "request cancelled", pb_utils.TritonError.CANCELLED)
+                members = [m for m in client.sequences if m.id in self.clients]
+                for member in members:
+                    self.scheduler.cancel(member)
+                self.metrics.finished("cancelled", len(members))
+                self._end_client(client, "request cancelled", pb_utils.TritonError.CANCELLED)
 
     def _end(self, sequence: SequenceState, message: str, code=None) -> None:
         """Ends the sequence's request with an error (once), and with it its other sequences."""
-        client = self.clients.pop(sequence.id, None)
-        if client is None or client.ended:
+        client = self.clients.get(sequence.id)
+        if client is not None:
+            self._end_client(client, message, code)
+
+    def _end_client(self, client: Client, message: str, code=None) -> None:
+        """Ends a request with an error (once), every sequence of it."""
+        if client.ended:
             return
         client.ended = True
         for member in client.sequences:
@@ -314,12 +344,26 @@ class TritonPythonModel:
     def _respond(self, update: Update) -> None:
         sequence = update.sequence
         client = self.clients.get(sequence.id)
-        if client is None or (not update.finished and not update.text):
-            return  # ended already, or nothing new to say this iteration
+        if client is None:
+            return  # ended already
+        text: str | None = update.text
+        request = sequence.request
+        if request.stream and request.stream_interval > 1:
+            text = client.hold.take(
+                sequence.id,
+                update.text,
+                sequence.num_output_tokens,
+                request.stream_interval,
+                update.finished,
+            )
+        elif not update.finished and not text:
+            text = None
+        if text is None:
+            return  # nothing to say this iteration: no response built
         # The ensemble's text too: a step after this one would be refused once the server
         # stops, and Triton 2.51's ensemble then never ends the stream (ensemble config).
         arrays = response_arrays(
-            sequence, update.text, client.sent_log_probs.get(sequence.id, 0), client.requested
+            sequence, text, client.sent_log_probs.get(sequence.id, 0), client.requested
         )
         client.sent_log_probs[sequence.id] = len(sequence.output_log_probs)
         flags = 0
@@ -339,8 +383,9 @@ class TritonPythonModel:
             self.lock.notify_all()
         self.loop_thread.join(timeout=60)
         with self.lock:
-            for sequence in self.scheduler.fail_all("shutdown"):
+            ended = self.scheduler.fail_all("shutdown")
+            for sequence in ended:
                 self._end(sequence, "server is shutting down", pb_utils.TritonError.UNAVAILABLE)
-                self.metrics.finished("shutdown")
+            self.metrics.finished("shutdown", len(ended))
         self._hand_over()
         self.outbox.close(timeout=60)

@@ -13,3 +13,11 @@ LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
 OUTBOX_SECONDS = "specdec_outbox_seconds_total"
 # How requests end (specdec_requests_total{outcome=...}).
 OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
+# The engine calls the loop makes, and the bytes their results bring back through Triton
+# (specdec_engine_calls_total{call=...}, specdec_engine_result_bytes_total{call=...}).
+ENGINE_CALLS = "specdec_engine_calls_total"
+ENGINE_RESULT_BYTES = "specdec_engine_result_bytes_total"
+ENGINE_CALL_KINDS = ("draft", "target")
+# Target passes by the tokens the sequence emitted in them (accepted + 1; 0 when its end
+# token came first): specdec_target_passes_by_tokens_total{tokens="0".."max k + 1"}.
+PASSES_BY_TOKENS = "specdec_target_passes_by_tokens_total"

@@ -3,15 +3,29 @@
 Each update to a Triton metric is a round trip to the server process, so the recording
 methods only gather updates (PendingMetrics); flush() applies them, called first in each
 batch of the loop's outbox (serving/outbox.py), before that iteration's responses leave.
+What one iteration records costs the same however many rows it ran: counters are summed
+before they are applied, and the tokens each row emitted are counted by value (a pb_utils
+histogram takes one observation per call, so there is none: one counter per value instead,
+specdec_target_passes_by_tokens_total{tokens=...}).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import triton_python_backend_utils as pb_utils
 
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import IterationStats
-from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS, OUTCOMES
+from specdec.serving.metric_names import (
+    ENGINE_CALL_KINDS,
+    ENGINE_CALLS,
+    ENGINE_RESULT_BYTES,
+    LOOP_PARTS,
+    OUTBOX_SECONDS,
+    OUTCOMES,
+    PASSES_BY_TOKENS,
+)
 from specdec.serving.outbox import PendingMetrics
 
 
@@ -89,25 +103,45 @@ class LoopMetrics:
         self.loop_seconds = {
             part: loop_seconds.Metric(labels={**labels, "part": part}) for part in LOOP_PARTS
         }
-        self.tokens_per_pass = family(
-            "specdec_tokens_per_target_pass",
-            "Tokens a sequence emits per target pass (accepted + 1)",
-            pb_utils.MetricFamily.HISTOGRAM,
-        ).Metric(labels=labels, buckets=[float(b) for b in range(1, max_k + 2)])
+        passes_by_tokens = family(
+            PASSES_BY_TOKENS,
+            "Target passes by the tokens the sequence emitted in them (accepted + 1)",
+            counter,
+        )
+        self.passes_by_tokens = [
+            passes_by_tokens.Metric(labels={**labels, "tokens": str(n)}) for n in range(max_k + 2)
+        ]
+        engine_calls = family(ENGINE_CALLS, "Engine model calls by the loop", counter)
+        result_bytes = family(
+            ENGINE_RESULT_BYTES, "Bytes the engine calls' results brought back", counter
+        )
+        self.engine_calls = {
+            call: engine_calls.Metric(labels={**labels, "call": call}) for call in ENGINE_CALL_KINDS
+        }
+        self.engine_result_bytes = {
+            call: result_bytes.Metric(labels={**labels, "call": call}) for call in ENGINE_CALL_KINDS
+        }
 
     def record_iteration(self, stats: IterationStats) -> None:
+        """An iteration that ran (one target call): a fixed number of updates, not one per
+        row."""
         pending = self.pending
         pending.increment(self.iterations, 1)
         pending.increment(self.draft_tokens, stats.num_draft_tokens)
         pending.increment(self.accepted_tokens, stats.num_accepted_draft_tokens)
         pending.increment(self.target_passes, len(stats.emitted_per_row))
         pending.increment(self.emitted_tokens, sum(stats.emitted_per_row))
-        for emitted in stats.emitted_per_row:
-            pending.observe(self.tokens_per_pass, emitted)
+        top = len(self.passes_by_tokens) - 1
+        for emitted, rows in Counter(stats.emitted_per_row).items():
+            pending.increment(self.passes_by_tokens[min(emitted, top)], rows)
         pending.set(self.current_k, stats.chosen_k)
         for name, (proposed, accepted) in stats.by_proposer.items():
             pending.increment(self.proposer_tokens[name][0], proposed)
             pending.increment(self.proposer_tokens[name][1], accepted)
+        pending.increment(self.engine_calls["draft"], stats.num_draft_calls)
+        pending.increment(self.engine_calls["target"], 1)
+        pending.increment(self.engine_result_bytes["draft"], stats.draft_result_bytes)
+        pending.increment(self.engine_result_bytes["target"], stats.target_result_bytes)
 
     def record_loop_seconds(
         self, cancel_check: float, step: float, respond: float, iteration: IterationStats | None
@@ -142,8 +176,9 @@ class LoopMetrics:
         self.pending.set(self.queued, num_waiting)
         self.pending.set(self.free_slots, free_slots)
 
-    def finished(self, outcome: str) -> None:
-        self.pending.increment(self.requests[outcome], 1)
+    def finished(self, outcome: str, count: int = 1) -> None:
+        """`count` requests (or sequences) ended with `outcome`."""
+        self.pending.increment(self.requests[outcome], count)
 
     def flush(self) -> None:
         """Applies the gathered updates (Triton round trips): on the outbox's thread."""

@@ -3,11 +3,11 @@
 In Triton's Python backend every response sent and every metric updated is a round trip
 to the server process (the stub waits for the server's answer), while the engines wait.
 The loop builds each iteration's work and hands it to an Outbox, which runs it either at
-once (the default, as the server's: the BLS parameter `response_thread` is false) or on a
-thread of its own while the loop runs the next step (`response_thread` true). On 2 CPU
-cores the thread costs more than it saves: the server's work on the responses then
-competes with the engine's threads (docs/benchmarks.md). It is for hosts whose engines run
-on a GPU, or that have cores to spare.
+once (`response_thread` false) or on a thread of its own while the loop runs the next step
+(`response_thread` true). On 2 CPU cores the thread costs more than it saves: the server's
+work on the responses then competes with the engine's threads (docs/benchmarks.md). It is
+for hosts whose engines run on a GPU, or that have cores to spare: the BLS parameter's
+default, auto, turns it on with 4 or more usable cores (serving/settings.py).
 
 Order is kept: batches run in the order they were submitted, and the callables of a batch
 in their order, so a request's responses arrive in order, its FINAL response last, and a
@@ -110,7 +110,8 @@ class Histogram(Protocol):
 class PendingMetrics:
     """Metric updates gathered between flushes: counter increments summed, gauges' last
     values, histogram observations in order. flush() applies them to the metric objects
-    (anything with increment / set / observe), one call per counter and gauge."""
+    (anything with increment / set / observe), one call per counter and gauge, and none for
+    a gauge whose value it already set."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the loop and execute() both record
@@ -118,6 +119,8 @@ class PendingMetrics:
         self._increments: dict[int, tuple[Counter, float]] = {}  # id -> (metric, sum)
         self._values: dict[int, tuple[Gauge, float]] = {}  # id -> (metric, last value)
         self._observations: list[tuple[Histogram, float]] = []
+        self._applied: dict[int, float] = {}  # id -> the gauge value flush() last set
+        self._flushing = threading.Lock()  # inline, execute() and the loop may both flush
 
     def increment(self, metric: Counter, value: float) -> None:
         if value:
@@ -134,13 +137,16 @@ class PendingMetrics:
             self._observations.append((metric, value))
 
     def flush(self) -> None:
-        with self._lock:
-            increments, self._increments = self._increments, {}
-            values, self._values = self._values, {}
-            observations, self._observations = self._observations, []
-        for counter, total in increments.values():
-            counter.increment(total)
-        for gauge, value in values.values():
-            gauge.set(value)
-        for histogram, observed in observations:
-            histogram.observe(observed)
+        with self._flushing:
+            with self._lock:
+                increments, self._increments = self._increments, {}
+                values, self._values = self._values, {}
+                observations, self._observations = self._observations, []
+            for counter, total in increments.values():
+                counter.increment(total)
+            for key, (gauge, value) in values.items():
+                if self._applied.get(key) != value:
+                    gauge.set(value)
+                    self._applied[key] = value
+            for histogram, observed in observations:
+                histogram.observe(observed)

@@ -23,6 +23,10 @@ postprocessing and tensorrt_llm models answer them (one response = one sequence)
 The four times: arrival_time_ns, first_scheduled_time_ns (got a slot), first_token_time_ns,
 last_token_time_ns. The perf outputs come with return_perf_metrics, on every response (as
 TensorRT-LLM sends them). Only outputs the client requested are built.
+
+When a streamed response goes out (StreamHold, the request's stream_interval): its first text
+at once, then each time stream_interval output tokens have gathered since its last response,
+and its final response at once; the text between waits, so no response is built for it.
 """
 
 from __future__ import annotations
@@ -116,3 +120,31 @@ def response_arrays(
     if request.return_num_output_tokens:
         arrays["num_output_tokens"] = _scalar(sequence.num_output_tokens, np.int32)
     return {name: array for name, array in arrays.items() if name in wanted}
+
+
+class StreamHold:
+    """The streamed text of a request's sequences held back by stream_interval (keyed by
+    sequence id). Concatenated, what take() returns is the text the loop produced."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, str] = {}  # text not sent yet
+        self._sent_at: dict[int, int] = {}  # output tokens at the last response
+
+    def take(
+        self, key: int, text: str, num_output_tokens: int, interval: int, finished: bool
+    ) -> str | None:
+        """The text of the response to send now (`text` after what was held), or None: hold
+        it. A response goes out when the sequence finished, when it is the first to carry
+        text, or when `interval` output tokens have come since the last one."""
+        held = self._held.pop(key, "") + text
+        if finished:
+            self._sent_at.pop(key, None)
+            return held
+        if not held:
+            return None
+        last = self._sent_at.get(key)
+        if last is None or num_output_tokens - last >= interval:
+            self._sent_at[key] = num_output_tokens
+            return held
+        self._held[key] = held
+        return None

@@ -51,6 +51,7 @@ class GenerationRequest:
     fixed_num_draft_tokens: bool = False  # True: exactly num_draft_tokens (benchmarks, tests)
     proposer: str | None = None  # "draft_model" or "ngram"; None: the server's proposers
     stream: bool = False
+    stream_interval: int = 1  # streamed: output tokens gathered between responses
     exclude_input_in_output: bool = False
     num_return_sequences: int = 1  # independent sequences from this prompt
     batch_index: int = 0  # the prompt's row in its Triton request
@@ -118,13 +119,14 @@ def parse_request(
     default_end_id: int,
     proposers: tuple[str, ...] = (),
     max_return_sequences: int = 64,
+    default_stream_interval: int = 1,
 ) -> GenerationRequest:
     """Builds a request from the input tensors of one prompt; raises InvalidInput naming
     the bad field.
 
     `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids;
     `proposers` are the ones this server runs (specdec/loop/proposers/): a request may pick
-    one of them.
+    one of them; `default_stream_interval` is the server's for requests that send none.
     """
     prompt = None
     if "input_ids" in inputs:
@@ -195,6 +197,12 @@ def parse_request(
         allowed, got = ", ".join(proposers), ", ".join(proposer)
         raise InvalidInput("proposer", f"must be one of {allowed} (this server's), got {got}")
 
+    stream_interval = _scalar(inputs, "stream_interval", int, default_stream_interval)
+    if stream_interval < 1:
+        raise InvalidInput(
+            "stream_interval", f"must be >= 1 (output tokens), got {stream_interval}"
+        )
+
     beam_width = _scalar(inputs, "beam_width", int, 1)
     if beam_width != 1:
         raise InvalidInput(
@@ -233,6 +241,7 @@ def parse_request(
         fixed_num_draft_tokens=fixed,
         proposer=proposer[0] if proposer else None,
         stream=_scalar(inputs, "stream", bool, False),
+        stream_interval=stream_interval,
         exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, False),
         num_return_sequences=num_return_sequences,
         return_log_probs=_scalar(inputs, "return_log_probs", bool, False),
