@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import TARGET
+from specdec.engines.greedy_parity import TIE_MARGIN
 from specdec.engines.llama import DecodeSteps, LlamaEngine, keys_bucket, rows_bucket
 
 HAS_GPU = torch.cuda.is_available()
@@ -144,11 +145,14 @@ def test_cuda_graphs_need_cuda_and_the_torch_engine():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cuda_graph_logits_equal_eager_logits(dtype):
     """The same decode steps on two CUDA engines with the same cache, one eager, one
-    replaying CUDA graphs: equal logits and argmax at every step, for padded and unpadded,
-    in-place and copied rows; each shape was captured once and replayed after."""
+    replaying CUDA graphs: close logits and the same argmax at every step (in bfloat16 where
+    the eager top two are not a near tie: padded shapes may pick other kernels, which round
+    differently), for padded and unpadded, in-place and copied rows; each shape was
+    captured once and replayed after. A wrong mask, slot or position moves logits by whole
+    units."""
     eager, graphs = prefilled("cuda", dtype), prefilled("cuda", dtype, cuda_graphs=True)
     assert graphs.decode_steps is not None and graphs.decode_steps.capture
-    tolerance = 1e-3 if dtype == torch.float32 else 0.15
+    tolerance, tie = (1e-3, 0.0) if dtype == torch.float32 else (1.0, TIE_MARGIN)
     for slots in STEPS.values():
         cache_lengths = [PROMPT_LENGTHS[s] for s in slots]
         tokens = torch.arange(100, 100 + len(slots))
@@ -158,7 +162,7 @@ def test_cuda_graph_logits_equal_eager_logits(dtype):
             assert got.is_cuda and got.shape == expected.shape
             assert (got - expected).abs().max().item() < tolerance
             top2 = expected.topk(2, dim=-1).values
-            clear = (top2[:, 0] - top2[:, 1]) > 2 * tolerance  # not a near tie
+            clear = (top2[:, 0] - top2[:, 1]) > tie
             assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
             tokens = expected.argmax(-1).cpu()
             cache_lengths = [n + 1 for n in cache_lengths]
