@@ -54,7 +54,7 @@ def config(**kw) -> SchedulerConfig:
 def row(first_token: int, max_tokens: int = 50, **kw) -> SequenceState:
     request = GenerationRequest(None, [first_token, 1, 2], max_tokens, **kw)
     return SequenceState(
-        request, detokenizer=None, generator=None, token_ids=list(request.prompt_ids)
+        request, detokenizer=None, seed=0, token_ids=list(request.prompt_ids)
     )  # type: ignore[arg-type]
 
 

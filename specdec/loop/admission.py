@@ -36,6 +36,7 @@ class Admission:
         # engine's batched attention reads the slot range it spans).
         self.free_slots = list(range(num_slots))
         self._ids = itertools.count()
+        self.num_cancelled_waiting = 0  # cancelled sequences still in self.waiting
 
     # -- joining -------------------------------------------------------------------------
     def submit_all(self, requests: list[GenerationRequest]) -> list[SequenceState]:
@@ -133,15 +134,25 @@ class Admission:
             heapq.heappush(self.free_slots, sequence.slot)
             sequence.slot = -1
 
+    def cancel(self, sequence: SequenceState) -> None:
+        """Marks the sequence cancelled; the next drop_cancelled ends it."""
+        if not sequence.cancelled and sequence.slot < 0 and not sequence.finished:
+            self.num_cancelled_waiting += 1
+        sequence.cancelled = True
+
     def drop_cancelled(self) -> list[SequenceState]:
         """Ends the cancelled running sequences and returns them; drops the cancelled waiting
-        ones (they never ran: the glue answers them)."""
+        ones (they never ran: the glue answers them). The queue is rebuilt only when one of
+        its sequences was cancelled: a step's cost does not grow with the queue."""
         cancelled = [s for s in self.running if s.cancelled]
         for sequence in cancelled:
             sequence.finish_reason = "cancelled"
             self.release(sequence)
-        self.running = [s for s in self.running if not s.cancelled]
-        self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
+        if cancelled:
+            self.running = [s for s in self.running if not s.cancelled]
+        if self.num_cancelled_waiting:
+            self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
+            self.num_cancelled_waiting = 0
         return cancelled
 
     def drop_finished(self) -> None:
@@ -154,4 +165,5 @@ class Admission:
             sequence.finish_reason = reason
             self.release(sequence)
         self.running, self.waiting = [], collections.deque()
+        self.num_cancelled_waiting = 0
         return ended

@@ -134,7 +134,7 @@ class SpeculativeScheduler:
         return self.admission.submit_all(requests)
 
     def cancel(self, sequence: SequenceState) -> None:
-        sequence.cancelled = True
+        self.admission.cancel(sequence)
 
     def fail_all(self, reason: str = "error") -> list[SequenceState]:
         """Ends every sequence (engine failure, shutdown); returns them for final responses."""
