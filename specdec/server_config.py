@@ -4,13 +4,14 @@ it, and the tritonserver command line (the 2.51 binary of PyPI's nvidia-pytriton
 Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
 onnxruntime or tensorrt; specdec/engines/select.py), DEVICE (torch engine: cpu or cuda), DTYPE
 (the engines' precision: float32, bfloat16, float16 or auto; unset: the committed float32),
+CUDA_GRAPHS (true: the torch engine on CUDA replays its decode steps as CUDA graphs),
 DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
 .run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
 DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RESPONSE_THREAD (auto,
 true or false: send each iteration's responses on a thread beside the loop; auto: with 4 or
 more usable cores; specdec/serving/outbox.py), STREAM_INTERVAL (1: output tokens a streamed
 sequence gathers between responses, for requests that send no stream_interval), RUN_DIR
-(.run). STREAM_INTERVAL and RESPONSE_THREAD are checked here, before the server starts
+(.run). STREAM_INTERVAL, RESPONSE_THREAD and CUDA_GRAPHS are checked here, before the server starts
 (specdec/serving/settings.py). The
 repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
 configs stay usable as they are (docker compose mounts them).
@@ -41,6 +42,7 @@ ENV_PARAMETERS = {
     "ENGINE": ("engine", ENGINE_MODELS),  # torch, onnxruntime, tensorrt
     "DEVICE": ("device", ENGINE_MODELS),  # the torch engine's: cpu, cuda
     "DTYPE": ("dtype", ENGINE_MODELS),  # float32, bfloat16, float16, auto
+    "CUDA_GRAPHS": ("cuda_graphs", ENGINE_MODELS),  # true: torch on CUDA replays CUDA graphs
     "DRAFT_ENGINE_DIR": ("engine_dir", ("draft_model",)),
     "TARGET_ENGINE_DIR": ("engine_dir", ("target_model",)),
     "TARGET_CHECKPOINT": ("checkpoint", ("target_model", "preprocessing") + BLS_MODELS),

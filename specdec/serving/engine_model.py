@@ -1,7 +1,8 @@
 """Glue of draft_model and target_model: one engine call per request, no batching by Triton.
 
 The `engine` parameter picks torch, onnxruntime or tensorrt, `dtype` its precision
-(float32, bfloat16, float16 or auto; specdec/engines/select.py).
+(float32, bfloat16, float16 or auto; specdec/engines/select.py), `cuda_graphs` whether the
+torch engine on CUDA replays its decode steps as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from specdec.engines.in_process import run_draft, run_target
 from specdec.engines.select import create_engine
 from specdec.engines.wire import EngineBatch
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
+from specdec.serving.settings import parse_bool
 
 
 class TritonPythonModel:
@@ -28,6 +30,7 @@ class TritonPythonModel:
             device=params.get("device", "cpu"),
             engine_dir=resolve_path(params["engine_dir"]) if params.get("engine_dir") else None,
             dtype=params.get("dtype", "float32"),
+            cuda_graphs=parse_bool("cuda_graphs", params.get("cuda_graphs", "false")),
         )
         self.inputs = input_names(args)
 

@@ -68,4 +68,5 @@ def decide_response_thread(setting: bool | None, cores: int) -> tuple[bool, str]
 ENV_CHECKS = {
     "STREAM_INTERVAL": parse_stream_interval,
     "RESPONSE_THREAD": parse_response_thread,
+    "CUDA_GRAPHS": parse_bool,
 }
