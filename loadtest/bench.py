@@ -44,8 +44,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from common import (
     ENGINE_CALL_KINDS,
     MODES,
@@ -64,11 +62,9 @@ from common import (
     server_counters,
     unknown_variants,
 )
-from specdec.client import INPUT_TYPES, GenerationResult, StreamingClient, generate
+from specdec.client import GenerationResult, StreamingClient, generate
 from specdec.paths import PROJECT_ROOT
 
-# The -si<N> modes' input, for a specdec.client that does not declare it yet.
-INPUT_TYPES.setdefault("stream_interval", ("INT32", np.int32))
 # Requests of one stream that may fail in a row before its window's first token; then the
 # run stops with the server's error (a mode the server refuses would spin forever).
 MAX_FAILED = 3

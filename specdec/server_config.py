@@ -68,7 +68,7 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerConfig:
-        """Raises ValueError naming the variable for a bad STREAM_INTERVAL or RESPONSE_THREAD."""
+        """Raises ValueError naming the variable for a bad value of one in ENV_CHECKS."""
         env = dict(os.environ if env is None else env)
         for var, check in ENV_CHECKS.items():
             if env.get(var):

@@ -53,9 +53,7 @@ def config(**kw) -> SchedulerConfig:
 
 def row(first_token: int, max_tokens: int = 50, **kw) -> SequenceState:
     request = GenerationRequest(None, [first_token, 1, 2], max_tokens, **kw)
-    return SequenceState(
-        request, detokenizer=None, seed=0, token_ids=list(request.prompt_ids)
-    )  # type: ignore[arg-type]
+    return SequenceState(request, detokenizer=None, seed=0, token_ids=list(request.prompt_ids))  # type: ignore[arg-type]
 
 
 def test_lookups_plan_first_and_the_model_gets_only_the_rows_they_left():

@@ -56,12 +56,13 @@ class IterationStats:
 
 
 class MeteredEngines:
-    """The loop's engines, counting the bytes each call returns (IterationStats)."""
+    """The loop's engines, counting the calls and the bytes each returns (IterationStats)."""
 
     def __init__(self, engines: Engines) -> None:
         self.engines = engines
         self.num_draft_calls = 0
         self.draft_result_bytes = 0
+        self.target_result_bytes = 0
 
     def draft(self, batch: EngineBatch) -> EngineResult:
         result = self.engines.draft(batch)
@@ -70,12 +71,14 @@ class MeteredEngines:
         return result
 
     def target(self, batch: EngineBatch) -> EngineResult:
-        return self.engines.target(batch)
+        result = self.engines.target(batch)
+        self.target_result_bytes += result.nbytes
+        return result
 
-    def take_draft_counts(self) -> tuple[int, int]:
-        """(calls, bytes) of the draft since the last take."""
-        counts = (self.num_draft_calls, self.draft_result_bytes)
-        self.num_draft_calls = self.draft_result_bytes = 0
+    def take_counts(self) -> tuple[int, int, int]:
+        """(draft calls, draft bytes, target bytes) since the last take."""
+        counts = (self.num_draft_calls, self.draft_result_bytes, self.target_result_bytes)
+        self.num_draft_calls = self.draft_result_bytes = self.target_result_bytes = 0
         return counts
 
 
@@ -173,7 +176,7 @@ class SpeculativeScheduler:
         target_seconds = time.perf_counter() - start
         if not admitted:  # a prefill is not what a decode step costs
             self.target_cost.observe(len(target_batch.input_ids), target_seconds)
-        num_draft_calls, draft_bytes = self.engines.take_draft_counts()
+        num_draft_calls, draft_bytes, target_bytes = self.engines.take_counts()
         stats = IterationStats(
             batch_size=len(batch),
             num_waiting=len(self.admission.waiting),
@@ -182,7 +185,7 @@ class SpeculativeScheduler:
             target_seconds=target_seconds,
             num_draft_calls=num_draft_calls,
             draft_result_bytes=draft_bytes,
-            target_result_bytes=result.nbytes,
+            target_result_bytes=target_bytes,
         )
         updates = self._verify_and_commit(batch, plan, proposals, result, stats)
         if not admitted:  # a prefill is no steady step
