@@ -1,5 +1,6 @@
 """`ManagedServer`: a real Triton server of our own on free loopback ports, for tests,
-benchmarks and tools; it is ready when the constructor returns and `stop()` ends it.
+benchmarks and tools; it is ready when the constructor returns (Triton ready, and the loop's
+start-up cost measurement over: specdec/loop/calibration.py) and `stop()` ends it.
 
     with ManagedServer("my-check", {"PROPOSERS": "ngram"}) as server:
         generate("Hello", url=server.url)  # gRPC; server.metrics_url: Prometheus
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from specdec.paths import PROJECT_ROOT
@@ -25,6 +27,7 @@ from specdec.processes import (
     tree_resident_bytes,
 )
 from specdec.server_config import ServerConfig, start
+from specdec.serving.metric_names import CALIBRATED
 
 
 class ManagedServer:
@@ -70,9 +73,9 @@ class ManagedServer:
                 raise RuntimeError(
                     f"tritonserver exited with {self.process.returncode}; see {self.log_path}"
                 )
-            if self.ready:
+            if self.ready and self.calibrated:
                 return
-            time.sleep(1)
+            time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout} s; see {self.log_path}")
 
     @property
@@ -86,6 +89,19 @@ class ManagedServer:
     @property
     def ready(self) -> bool:
         return is_ready(self.config.http_port)
+
+    @property
+    def calibrated(self) -> bool:
+        """The loop's start-up cost measurement is over (specdec_calibrated is 1)."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return False
+        return any(
+            line.startswith(CALIBRATED + "{") and line.split()[-1] == "1"
+            for line in text.splitlines()
+        )
 
     def stub_pid(self, model: str) -> int:
         """The Python backend stub process that runs `model`."""

@@ -10,9 +10,10 @@ DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand 
 DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RESPONSE_THREAD (auto,
 true or false: send each iteration's responses on a thread beside the loop; auto: with 4 or
 more usable cores; specdec/serving/outbox.py), STREAM_INTERVAL (1: output tokens a streamed
-sequence gathers between responses, for requests that send no stream_interval), RUN_DIR
-(.run). STREAM_INTERVAL, RESPONSE_THREAD and CUDA_GRAPHS are checked here, before the server starts
-(specdec/serving/settings.py). The
+sequence gathers between responses, for requests that send no stream_interval),
+CALIBRATION_SECONDS (5: the start-up cost measurement's budget, 0 = off;
+specdec/loop/calibration.py), RUN_DIR (.run). STREAM_INTERVAL, RESPONSE_THREAD, CUDA_GRAPHS and
+CALIBRATION_SECONDS are checked here, before the server starts (specdec/serving/settings.py). The
 repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
 configs stay usable as they are (docker compose mounts them).
 """
@@ -51,6 +52,7 @@ ENV_PARAMETERS = {
     "RESPONSE_THREAD": ("response_thread", BLS_MODELS),  # auto, true, false
     "STREAM_INTERVAL": ("stream_interval", BLS_MODELS),
     "DEFAULT_NUM_DRAFT_TOKENS": ("default_num_draft_tokens", BLS_MODELS),
+    "CALIBRATION_SECONDS": ("calibration_seconds", BLS_MODELS),  # 0: no start-up measurement
 }
 
 

@@ -15,6 +15,7 @@ from specdec.paths import PROJECT_ROOT
 from specdec.server_config import ServerConfig, render_repository
 from specdec.serving.settings import (
     decide_response_thread,
+    parse_calibration_seconds,
     parse_response_thread,
     parse_stream_interval,
     usable_cores,
@@ -65,12 +66,26 @@ def test_usable_cores_follow_the_affinity():
     assert usable_cores() == len(os.sched_getaffinity(0))
 
 
+@pytest.mark.parametrize(("value", "expected"), [("0", 0.0), ("5", 5.0), (" 2.5 ", 2.5)])
+def test_calibration_seconds_values(value, expected):
+    assert parse_calibration_seconds("CALIBRATION_SECONDS", value) == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan", "soon", ""])
+def test_a_bad_calibration_budget_names_the_setting(value):
+    with pytest.raises(ValueError, match=r"^CALIBRATION_SECONDS: expected seconds >= 0"):
+        parse_calibration_seconds("CALIBRATION_SECONDS", value)
+
+
 @pytest.mark.parametrize(
     ("env", "named"),
     [
         ({"STREAM_INTERVAL": "0"}, "STREAM_INTERVAL"),
         ({"STREAM_INTERVAL": "x"}, "STREAM_INTERVAL"),
         ({"RESPONSE_THREAD": "sometimes"}, "RESPONSE_THREAD"),
+        ({"CALIBRATION_SECONDS": "-1"}, "CALIBRATION_SECONDS"),
+        ({"CALIBRATION_SECONDS": "soon"}, "CALIBRATION_SECONDS"),
+        ({"CALIBRATION_SECONDS": "nan"}, "CALIBRATION_SECONDS"),
     ],
 )
 def test_server_config_refuses_a_bad_setting_naming_it(env, named):

@@ -21,6 +21,7 @@ import numpy as np
 
 from specdec.engines.wire import EngineBatch, EngineResult, Engines
 from specdec.loop.admission import Admission, QueueFull
+from specdec.loop.calibration import Calibration, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.controller import CostCurve
 from specdec.loop.policy import ProposerPolicy, StepPlan
@@ -149,6 +150,29 @@ class SpeculativeScheduler:
         for sequence in sequences:
             for proposer in self.proposers.values():
                 proposer.release(sequence)
+
+    # -- start-up ----------------------------------------------------------------------------
+    def calibrate(
+        self, budget_s: float, clock: Callable[[], float] = time.perf_counter
+    ) -> Calibration:
+        """Measures the engines' costs on free slots before the first request
+        (specdec/loop/calibration.py) and gives them to the cost curves: the target's, which
+        every proposer prices verifies by, and each proposer's own (the draft's steps).
+        Only before anything runs: it uses slots from 0 up (requests may wait meanwhile;
+        only step() admits them)."""
+        if self.admission.running:
+            raise RuntimeError("calibrate before the first request runs")
+        plan = CalibrationPlan.for_server(
+            self.config.num_slots, self.config.max_draft_tokens, budget_s
+        )
+        with_draft = any(p.calls_model for p in self.proposers.values())
+        calibration = calibrate(self.engines, plan, with_draft, clock)
+        self.engines.take_counts()  # not the first iteration's
+        for (rows, tokens), seconds in calibration.target.items():
+            self.target_cost.observe(rows * tokens, seconds)
+        for proposer in self.proposers.values():
+            proposer.calibrated(calibration)
+        return calibration
 
     # -- one iteration ---------------------------------------------------------------------
     def step(self) -> list[Update]:

@@ -40,6 +40,7 @@ from specdec.serving.outbox import Outbox, Work
 from specdec.serving.responses import StreamHold, response_arrays
 from specdec.serving.settings import (
     decide_response_thread,
+    parse_calibration_seconds,
     parse_response_thread,
     parse_stream_interval,
     usable_cores,
@@ -52,6 +53,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # (_mark_cancelled): bounded, so asking costs the same however long the queue is.
 WAITING_CANCEL_CHECKS = 16
 ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]
+# How long the start-up cost measurement waits for the engine models to load, and how often
+# it tries them meanwhile.
+ENGINE_WAIT_S = 600.0
+ENGINE_POLL_S = 0.2
 
 
 class TritonEngines:
@@ -163,6 +168,9 @@ class TritonPythonModel:
         )
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
+        self.calibration_seconds = parse_calibration_seconds(
+            "calibration_seconds (CALIBRATION_SECONDS)", params.get("calibration_seconds", "0")
+        )
         self.max_return_sequences = self.config.num_slots  # more would never run at once
         self.inputs = input_names(args)
         self.metrics = LoopMetrics(
@@ -185,6 +193,31 @@ class TritonPythonModel:
         )
         self.loop_thread = threading.Thread(target=self._loop, name="speculative-loop", daemon=True)
         self.loop_thread.start()
+
+    def _calibrate(self) -> None:
+        """Measures the engines' costs (the scheduler's calibrate) on the loop's thread before
+        it serves: Triton refuses BLS calls in initialize, and while the server is not ready
+        (so a model_warmup request cannot make them either). It starts as soon as the engine
+        models answer, waiting up to ENGINE_WAIT_S; requests that arrive meanwhile wait. If
+        the engines never answer, the loop serves unmeasured (its curves learn online).
+        specdec_calibrated turns 1 when this is over."""
+        budget = self.calibration_seconds
+        if budget <= 0:
+            pb_utils.Logger.log_info("speculative_decoding: start-up cost measurement off")
+        deadline = time.monotonic() + ENGINE_WAIT_S
+        while budget > 0:
+            try:
+                calibration = self.scheduler.calibrate(budget)
+                pb_utils.Logger.log_info(f"speculative_decoding: {calibration.summary()}")
+                break
+            except Exception as error:  # the server is not ready yet
+                if self.stopping or time.monotonic() > deadline:
+                    pb_utils.Logger.log_warn(
+                        f"speculative_decoding: no start-up cost measurement: {error}"
+                    )
+                    break
+                time.sleep(ENGINE_POLL_S)
+        self.metrics.calibrated.set(1)
 
     # -- requests in ---------------------------------------------------------------------
     def execute(self, requests):
@@ -243,6 +276,7 @@ class TritonPythonModel:
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
+        self._calibrate()
         clock = time.perf_counter
         while True:
             with self.lock:

@@ -21,3 +21,6 @@ ENGINE_CALL_KINDS = ("draft", "target")
 # Target passes by the tokens the sequence emitted in them (accepted + 1; 0 when its end
 # token came first): specdec_target_passes_by_tokens_total{tokens="0".."max k + 1"}.
 PASSES_BY_TOKENS = "specdec_target_passes_by_tokens_total"
+# 1 once the start-up cost measurement is over (done, turned off or given up), 0 before:
+# until then requests wait (specdec/loop/calibration.py).
+CALIBRATED = "specdec_calibrated"

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import IterationStats
 from specdec.serving.metric_names import (
+    CALIBRATED,
     ENGINE_CALL_KINDS,
     ENGINE_CALLS,
     ENGINE_RESULT_BYTES,
@@ -88,6 +89,13 @@ class LoopMetrics:
             "specdec_free_kv_slots", "KV cache slots free in each engine", gauge
         ).Metric(labels=labels)
         self.free_slots.set(num_slots)
+        self.calibrated = family(
+            CALIBRATED,
+            "1 once the start-up measurement of the engines' costs is over; requests wait "
+            "until then",
+            gauge,
+        ).Metric(labels=labels)
+        self.calibrated.set(0)
         self.outbox_seconds = family(
             OUTBOX_SECONDS,
             "Seconds the outbox spent sending responses and applying metric updates (inline: "

@@ -34,6 +34,18 @@ def parse_stream_interval(name: str, value: str) -> int:
     return interval
 
 
+def parse_calibration_seconds(name: str, value: str) -> float:
+    """The start-up cost measurement's budget in seconds (specdec/loop/calibration.py);
+    0 turns it off."""
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected seconds >= 0, got {value!r}") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"{name}: expected seconds >= 0, got {value!r}")
+    return seconds
+
+
 def parse_response_thread(name: str, value: str) -> bool | None:
     """response_thread: true, false, or auto (None: decided by the usable cores)."""
     if value.strip().lower() == "auto":
@@ -69,4 +81,5 @@ ENV_CHECKS = {
     "STREAM_INTERVAL": parse_stream_interval,
     "RESPONSE_THREAD": parse_response_thread,
     "CUDA_GRAPHS": parse_bool,
+    "CALIBRATION_SECONDS": parse_calibration_seconds,
 }

@@ -21,6 +21,7 @@ from specdec.loop.sequence import CacheCopy, SequenceState
 
 if TYPE_CHECKING:
     from specdec.engines.wire import Engines
+    from specdec.loop.calibration import Calibration
     from specdec.loop.config import SchedulerConfig
     from specdec.loop.controller import CostCurve
 
@@ -82,6 +83,9 @@ class Proposer(ABC):
     @abstractmethod
     def observe(self, sequence: SequenceState, k: int, num_accepted: int) -> None:
         """The verdict on the row's k draft tokens: the first num_accepted were accepted."""
+
+    def calibrated(self, calibration: Calibration) -> None:  # noqa: B027
+        """The engines' costs as measured at start-up (specdec/loop/calibration.py)."""
 
     def observe_iteration(self, step: TimedStep, seconds: float) -> None:  # noqa: B027
         """The whole cost of the last step it planned, called before its next plan."""

@@ -20,6 +20,7 @@ from specdec.loop.sequence import CacheCopy, SequenceState, engine_batch
 
 if TYPE_CHECKING:
     from specdec.engines.wire import Engines
+    from specdec.loop.calibration import Calibration
     from specdec.loop.config import SchedulerConfig
 
 
@@ -113,6 +114,10 @@ class DraftModelProposer(Proposer):
         skip = max(0, len(sequence.request.prompt_ids) - first)
         outputs = hits[skip:]
         self.controller.observe_hindsight(sum(outputs), len(outputs))
+
+    def calibrated(self, calibration: Calibration) -> None:
+        for rows, seconds in calibration.draft_step.items():
+            self.controller.observe_draft(rows, 1, seconds)
 
     def observe(self, sequence: SequenceState, k: int, num_accepted: int) -> None:
         self.controller.observe_verdict(k, num_accepted)

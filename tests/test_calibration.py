@@ -1,0 +1,147 @@
+"""The start-up cost measurement (specdec/loop/calibration.py) and what it changes in the
+loop's first choices, against scripted engines with a scripted clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.loop.calibration import CONTEXT_TOKENS, CalibrationPlan, calibrate
+from specdec.loop.config import SchedulerConfig
+from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.text.request import GenerationRequest
+from tests.fakes import FakeEngines, fake_decode, oracle_continuation
+
+
+class ClockedEngines(FakeEngines):
+    """FakeEngines whose calls advance a scripted clock by a cost of their shape: the target
+    by tokens fed, the draft by rows and steps."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    @staticmethod
+    def target_cost(tokens: int) -> float:
+        return 0.010 + 0.001 * tokens
+
+    @staticmethod
+    def draft_step_cost(rows: int) -> float:
+        return 0.002 + 0.0001 * rows
+
+    def target(self, batch):
+        self.now += self.target_cost(len(batch.input_ids))
+        return super().target(batch)
+
+    def draft(self, batch):
+        steps = max(1, int(batch.num_steps.max()))
+        self.now += self.draft_step_cost(len(batch.slot_ids)) * steps
+        return super().draft(batch)
+
+
+def test_the_plan_covers_the_slots_and_k():
+    plan = CalibrationPlan.for_server(num_slots=64, max_k=8, budget_s=10)
+    assert plan.rows == (1, 2, 4, 8, 16, 32, 64)
+    assert plan.tokens_per_row == (1, 2, 9)
+    assert CalibrationPlan.for_server(num_slots=6, max_k=4, budget_s=1).rows == (1, 2, 4, 6)
+    assert CalibrationPlan.for_server(num_slots=512, max_k=0, budget_s=1).tokens_per_row == (1,)
+
+
+def test_each_shape_is_timed_on_its_second_call_and_the_slots_hold_a_context():
+    engines = ClockedEngines(num_slots=8)
+    plan = CalibrationPlan.for_server(num_slots=8, max_k=4, budget_s=100)
+    result = calibrate(engines, plan, with_draft=True, clock=engines.clock)
+    assert set(result.target) == {(r, t) for r in (1, 2, 4, 8) for t in (1, 2, 5)}
+    for (rows, tokens), seconds in result.target.items():
+        assert seconds == pytest.approx(engines.target_cost(rows * tokens))
+    assert set(result.draft_step) == {1, 2, 4, 8}
+    for rows, seconds in result.draft_step.items():
+        assert seconds == pytest.approx(engines.draft_step_cost(rows))
+    assert result.skipped == 0
+    # Every timed call ran after the context: each slot was given CONTEXT_TOKENS positions
+    # once (FakeEngines refuses a cache length beyond what a slot holds).
+    fed = [lengths for role, lengths in engines.input_lengths if role == "target"]
+    contexts = [lengths for lengths in fed if set(lengths) == {CONTEXT_TOKENS}]
+    assert sum(len(lengths) for lengths in contexts) == 8
+    assert result.seconds == pytest.approx(engines.now)
+    assert "target call ms by rows x tokens per row" in result.summary()
+
+
+def test_the_budget_keeps_the_small_batches_and_says_what_it_skipped():
+    engines = ClockedEngines(num_slots=64)
+    plan = CalibrationPlan.for_server(num_slots=64, max_k=8, budget_s=0.5)
+    result = calibrate(engines, plan, with_draft=True, clock=engines.clock)
+    assert (1, 1) in result.target and 1 in result.draft_step
+    assert (64, 9) not in result.target and 64 not in result.draft_step
+    measured_rows = {r for r, _ in result.target} | set(result.draft_step)
+    assert max(measured_rows) < 64
+    # Batch sizes in order, each with its draft first: only the largest measured size may
+    # be partly measured, and the slots beyond it were never filled.
+    for rows in measured_rows - {max(measured_rows)}:
+        assert {(rows, t) for t in plan.tokens_per_row} <= set(result.target)
+    assert all(len(engines.target_cache[s]) == 0 for s in range(max(measured_rows), 64))
+    total = len(plan.rows) * (len(plan.tokens_per_row) + 1)
+    assert result.skipped == total - len(result.target) - len(result.draft_step) > 0
+    assert "skipped" in result.summary()
+
+
+def test_without_a_draft_model_the_draft_is_never_called():
+    engines = ClockedEngines(num_slots=4)
+    plan = CalibrationPlan.for_server(num_slots=4, max_k=4, budget_s=100)
+    result = calibrate(engines, plan, with_draft=False, clock=engines.clock)
+    assert not result.draft_step and not any(role == "draft" for role, _ in engines.calls)
+
+
+def adaptive_config(num_slots: int = 16) -> SchedulerConfig:
+    return SchedulerConfig(
+        num_slots=num_slots, max_context=256, max_draft_tokens=4, default_draft_tokens=None
+    )
+
+
+def requests(n: int, max_tokens: int = 12) -> list[GenerationRequest]:
+    return [GenerationRequest(None, [3 + i, 7, 11 + i, 5], max_tokens) for i in range(n)]
+
+
+def test_the_scheduler_gives_the_measurements_to_the_curves_and_still_decodes_exactly():
+    engines = ClockedEngines(num_slots=16)
+    scheduler = SpeculativeScheduler(engines, adaptive_config(), fake_decode)
+    calibration = scheduler.calibrate(budget_s=100, clock=engines.clock)
+    assert scheduler.target_cost.estimate(16) == pytest.approx(
+        calibration.target[(16, 1)], rel=0.25
+    )
+    controller = scheduler.proposers["draft_model"].controller
+    assert controller.draft_step_cost.estimate(16) == pytest.approx(calibration.draft_step[16])
+    # What calibration left in the slots changes nothing: every sequence decodes the oracle's.
+    sequences = [scheduler.submit(r) for r in requests(16)]
+    while scheduler.has_work:
+        scheduler.step()
+    for sequence in sequences:
+        prompt = sequence.request.prompt_ids
+        assert sequence.token_ids[len(prompt) :] == oracle_continuation(prompt, 12)
+    scheduler.submit(requests(1)[0])
+    scheduler.step()
+    with pytest.raises(RuntimeError, match="before the first request runs"):
+        scheduler.calibrate(budget_s=1)
+
+
+def draft_rows_in_first_steps(calibrated: bool, steps: int = 12) -> list[int]:
+    engines = ClockedEngines(num_slots=16)
+    scheduler = SpeculativeScheduler(engines, adaptive_config(), fake_decode)
+    if calibrated:
+        scheduler.calibrate(budget_s=100, clock=engines.clock)
+    engines.calls.clear()
+    for request in requests(16, max_tokens=40):
+        scheduler.submit(request)
+    for _ in range(steps):
+        scheduler.step()
+    return [rows for role, rows in engines.calls if role == "draft"]
+
+
+def test_a_calibrated_server_does_not_bet_the_first_burst_on_an_unmeasured_draft():
+    """Uncalibrated, the controller tries k = 1 on all 16 rows of a fresh burst to learn what
+    a draft step costs (16 draft catch-ups of whole prompts); calibrated, it knows, and its
+    first draft calls are probes of one row each."""
+    assert 16 in draft_rows_in_first_steps(calibrated=False)
+    assert all(rows == 1 for rows in draft_rows_in_first_steps(calibrated=True))
