@@ -2,8 +2,10 @@
 
     .venv/bin/python loadtest/bench.py --modes k0,ngram --workloads grounded --concurrency 1
 
-Workloads: `chat` (loadtest/prompts.jsonl) and `grounded` (loadtest/prompts_grounded.jsonl:
-answers that copy or rework text given in the prompt). Modes: k0 (no speculation), draft and
+Workloads: `chat` (loadtest/prompts.jsonl), `grounded` (loadtest/prompts_grounded.jsonl:
+answers that copy or rework text given in the prompt) and `rewrite`
+(loadtest/prompts_rewrite.jsonl: answers that rework the text given rather than copy it:
+restyled, restructured, summarised, retold or shortened). Modes: k0 (no speculation), draft and
 ngram (one proposer alone, k chosen by the server), adaptive (the server's choice of
 proposer and k per row), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
 Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy) and `-si<N>` (the

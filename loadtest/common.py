@@ -34,6 +34,7 @@ MODES: dict[str, dict] = {
 WORKLOADS = {
     "chat": PROJECT_ROOT / "loadtest" / "prompts.jsonl",
     "grounded": PROJECT_ROOT / "loadtest" / "prompts_grounded.jsonl",
+    "rewrite": PROJECT_ROOT / "loadtest" / "prompts_rewrite.jsonl",
 }
 
 
@@ -75,13 +76,18 @@ def unknown_variants(modes: list[str]) -> list[str]:
     return unknown
 
 
+def read_prompts(path: Path) -> list[str]:
+    """The prompts of a JSONL file of {"category", "prompt"} lines, as written."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [item["prompt"] for item in lines]
+
+
 def load_prompts(path: Path) -> list[str]:
     """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines."""
     from specdec.text.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [tokenizer.apply_chat_template(item["prompt"]) for item in lines]
+    return [tokenizer.apply_chat_template(prompt) for prompt in read_prompts(path)]
 
 
 def mirrored_order(modes: list[str], index: int) -> list[str]:

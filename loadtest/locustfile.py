@@ -10,8 +10,10 @@ OpenAI-compatible HTTP API (server-sent events).
 shares a few gRPC channels (loadtest/grpc_streams.py: one channel per user starved gevent's
 thread pool past ~10 users, and responses reached the users minutes late). `OpenAIUser`
 streams /v1/chat/completions (or /v1/completions with --openai-completions) with Locust's
-FastHttpUser. Users send chat prompts from loadtest/prompts.jsonl one after another. Per
-request they report, as Locust entries:
+FastHttpUser. Users send the prompts of a workload (common.WORKLOADS) one after another:
+`--workload chat` (the default, loadtest/prompts.jsonl), `grounded` (answers that copy or
+rework text given in the prompt) or `rewrite` (answers that rework it rather than copy it).
+Per request they report, as Locust entries:
 - `generate`: whole-request latency, response length = output tokens (a failure if the
   server answered with an error);
 - `refused`: the server turned the request away for load (queue full, shutting down); a
@@ -34,6 +36,7 @@ arrival times, tokens per response, the server's times) for run_loadtest.py.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import os
 import random
@@ -48,11 +51,10 @@ from locust import FastHttpUser, LoadTestShape, User, between, events, task
 grpc_gevent.init_gevent()  # before any gRPC channel exists
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODES  # noqa: E402
+from common import MODES, WORKLOADS, read_prompts  # noqa: E402
 from grpc_streams import StreamPool, StreamResult, is_overload  # noqa: E402
 from schedule import STAGES, PlannedWindow, build_plan, window_at  # noqa: E402
 
-PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.jsonl"
 # ChatML as SmolLM2's template writes it (with its default system turn); --raw-prompts sends
 # the prompts as they are, for a model with another template. OpenAIUser sends messages.
 CHAT_FORMAT = (
@@ -85,6 +87,9 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--max-users", type=int, default=512, help="--ramp: the last stage")
     parser.add_argument("--raw-prompts", action="store_true", help="no chat format")
+    parser.add_argument(
+        "--workload", default="chat", choices=sorted(WORKLOADS), help="the prompts to send"
+    )
     parser.add_argument("--records", default="", help="append one JSON line per request here")
 
 
@@ -118,11 +123,10 @@ def bound_the_exit(exit_code: int, **_kwargs) -> None:
     start_real_thread(force_exit, ())
 
 
-def load_prompts() -> list[str]:
-    return [json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines() if line]
-
-
-PROMPTS = load_prompts()
+@functools.cache
+def workload_prompts(workload: str) -> list[str]:
+    """The prompts of a --workload, as written (read once per process)."""
+    return read_prompts(WORKLOADS[workload])
 
 
 def mode_of(num_draft_tokens: int) -> str:
@@ -189,6 +193,7 @@ class StreamingUser:
     def setup(self) -> None:
         self.options = self.environment.parsed_options
         self.rng = random.Random()
+        self.prompts = workload_prompts(self.options.workload)
         self.current: tuple[dict, StreamResult] | None = None  # the request under way
 
     def next_request(self) -> dict:
@@ -299,7 +304,7 @@ class GrpcUser(StreamingUser, User):
             self.pools[host] = StreamPool(host, self.options.model, self.options.grpc_channels)
         self.pool = self.pools[host]
         template = "{prompt}" if self.options.raw_prompts else CHAT_FORMAT
-        self.prompts = [template.format(prompt=p) for p in PROMPTS]
+        self.prompts = [template.format(prompt=p) for p in self.prompts]
 
     def on_stop(self) -> None:
         self.stopped()
@@ -361,7 +366,7 @@ class OpenAIUser(StreamingUser, FastHttpUser):
         for name in ("seed", "num_draft_tokens"):
             if name in params:
                 body[name] = params[name]
-        prompt = self.rng.choice(PROMPTS)
+        prompt = self.rng.choice(self.prompts)
         if self.options.openai_completions:
             return "/v1/completions", {**body, "prompt": prompt}
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}

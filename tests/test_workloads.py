@@ -1,0 +1,105 @@
+"""The load tools' workloads (loadtest/common.WORKLOADS): every prompt file parses and is big
+enough, the rewrite set is what docs/benchmarks.md says it is and fits the model's context,
+no prompt is in two workloads, and the locustfile's --workload sends the workload named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from specdec.paths import PROJECT_ROOT
+
+sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
+from common import WORKLOADS, load_prompts, read_prompts  # noqa: E402
+
+# docs/benchmarks.md: the rewrite workload's categories, eight prompts each.
+REWRITE_CATEGORIES = ("style", "simplify", "restructure", "summarise", "perspective", "shorten")
+MAX_REWRITE_TOKENS = 400  # chat-formatted; leaves the answer room in a 512-token context
+
+
+def lines_of(workload: str) -> list[dict]:
+    path = WORKLOADS[workload]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_every_workload_parses_and_has_40_distinct_prompts(workload: str):
+    items = lines_of(workload)
+    assert len(items) >= 40
+    assert all(set(item) == {"category", "prompt"} for item in items)
+    assert all(isinstance(item["prompt"], str) and item["prompt"].strip() for item in items)
+    prompts = read_prompts(WORKLOADS[workload])
+    assert prompts == [item["prompt"] for item in items]
+    assert len(set(prompts)) == len(prompts)
+
+
+def test_no_prompt_is_in_two_workloads():
+    seen: dict[str, str] = {}
+    for workload in WORKLOADS:
+        for prompt in read_prompts(WORKLOADS[workload]):
+            text = " ".join(prompt.split()).lower()
+            assert seen.setdefault(text, workload) == workload, (workload, seen[text])
+
+
+def test_rewrite_prompts_give_an_input_text_and_fall_into_the_documented_categories():
+    items = lines_of("rewrite")
+    assert Counter(item["category"] for item in items) == dict.fromkeys(REWRITE_CATEGORIES, 8)
+    for item in items:
+        instruction, _, text = item["prompt"].partition("\n\n")
+        assert instruction and len(text.split()) >= 50, item["prompt"][:80]
+        assert len(item["prompt"]) < 1500
+
+
+def test_rewrite_prompts_fit_the_context_chat_formatted():
+    from specdec.text.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    lengths = [len(tokenizer.encode(p)) for p in load_prompts(WORKLOADS["rewrite"])]
+    assert max(lengths) < MAX_REWRITE_TOKENS, max(lengths)
+    assert min(lengths) > 100  # an input text, not a question alone
+
+
+# Imports the locustfile in a process of its own (importing Locust monkey-patches the
+# process for gevent), parses its options and sets up a user as both user classes do.
+LOCUST_PROBE = """
+import argparse, json, sys, types
+sys.argv = ["locust"]
+sys.path.insert(0, "loadtest")
+import locustfile
+
+parser = argparse.ArgumentParser()
+locustfile.add_arguments(parser)
+chosen = {}
+for argv in ([], *(["--workload", name] for name in sorted(locustfile.WORKLOADS))):
+    options = parser.parse_args(argv)
+    user = types.SimpleNamespace(environment=types.SimpleNamespace(parsed_options=options))
+    locustfile.StreamingUser.setup(user)
+    chosen[options.workload if argv else "default"] = user.prompts
+try:
+    parser.parse_args(["--workload", "nonesuch"])
+    chosen["refused"] = False
+except SystemExit:
+    chosen["refused"] = True
+print(json.dumps(chosen))
+"""
+
+
+def test_locustfile_workload_option_selects_the_workloads_prompts():
+    result = subprocess.run(
+        [sys.executable, "-c", LOCUST_PROBE],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    chosen = json.loads(result.stdout.splitlines()[-1])
+    assert chosen.pop("refused") is True
+    assert chosen.pop("default") == read_prompts(WORKLOADS["chat"])
+    assert set(chosen) == set(WORKLOADS)
+    for workload, prompts in chosen.items():
+        assert prompts == read_prompts(WORKLOADS[workload]), workload
