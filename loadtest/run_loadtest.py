@@ -2,6 +2,7 @@
 
     .venv/bin/python loadtest/run_loadtest.py [--modes k0,adaptive,k0-again]
         [--stages 1,4,16,64,128,256,512] [--window-seconds 20] [--max-tokens 64] [--smoke]
+        [--workload chat|grounded|rewrite]
 
 Starts a server of its own (or uses --url and --metrics-url) and one Locust run on it
 (loadtest/locustfile.py, GrpcUser) by a plan (loadtest/schedule.py): at each stage of users
@@ -30,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import MODES, finish_axes, parse_env, unknown_modes
+from common import MODES, WORKLOADS, finish_axes, parse_env, unknown_modes
 from schedule import STAGES, build_plan, segments_of, set_pure_intervals
 from schedule import summarize_segments as summarize
 from specdec.client import scrape_metrics, wait_until_idle
@@ -51,6 +52,7 @@ class LoadtestConfig:
     window_seconds: float = 20.0  # up to 16 users; longer beyond (schedule.window_seconds)
     max_tokens: int = 64
     model: str = "ensemble"  # or speculative_decoding: the BLS itself, which hears cancels
+    workload: str = "chat"  # the prompts Locust sends (loadtest/common.py WORKLOADS)
     server_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -101,6 +103,8 @@ def run_locust(config: LoadtestConfig, url: str, plan: Path, records: Path) -> f
         str(config.max_tokens),
         "--model",
         config.model,
+        "--workload",
+        config.workload,
         "--records",
         str(records),
         "--csv",
@@ -286,6 +290,7 @@ def run(config: LoadtestConfig) -> list[dict]:
         "minutes": round((time.time() - started) / 60, 1),
         "max_tokens": config.max_tokens,
         "model": config.model,
+        "workload": config.workload,
         "window_seconds": config.window_seconds,
         "modes": config.modes,
         "stages": config.stages,
@@ -311,6 +316,7 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default="ensemble", help="or speculative_decoding")
+    parser.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
     parser.add_argument("--smoke", action="store_true", help="CI: 1 and 2 users, 3 s windows")
     parser.add_argument("--out-dir", type=Path, default=LoadtestConfig.out_dir)
     parser.add_argument("--server-env", default="", help="own server, e.g. NUM_SLOTS=32")
@@ -324,6 +330,7 @@ def main() -> None:
         window_seconds=args.window_seconds,
         max_tokens=args.max_tokens,
         model=args.model,
+        workload=args.workload,
         server_env=parse_env(args.server_env),
     )
     if args.smoke:
