@@ -31,6 +31,9 @@ k = 0 at one concurrency, in rounds of mirrored windows (see SecondServer):
 `--float32-concurrency 32` (what `make bench` runs: the second server in float32), or
 `--env-b NAME=VALUE --b-concurrency 32 --b-rounds 2` for any setting (`--concurrency ''`
 to measure only that; `--url-b` to point it at a running server).
+
+With `--cold-start`, instead: k0, adaptive and k0-again each meet a burst of requests on a
+server started for them alone (loadtest/cold_start.py; `make bench-cold`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import cold_start
 from common import (
     ENGINE_CALL_KINDS,
     MODES,
@@ -646,7 +650,7 @@ def report(levels: list[LevelResult], config: BenchConfig, meta: dict) -> None:
         )
 
 
-def parse_args(argv: list[str] | None = None) -> BenchConfig:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--modes",
@@ -688,7 +692,25 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         default="",
         help="for the own server, e.g. DTYPE=bfloat16,NUM_SLOTS=64",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="instead: each arm (k0, adaptive, k0-again) meets a burst on a fresh server of "
+        "its own (loadtest/cold_start.py); <out-dir>/<name>-cold.{json,csv}",
+    )
+    parser.add_argument("--cold-rounds", type=int, default=1, help="with --cold-start")
+    parser.add_argument(
+        "--cold-max-tokens", type=int, default=64, help="with --cold-start: per request"
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    parser = build_parser()
+    return bench_config(parser, parser.parse_args(argv))
+
+
+def bench_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> BenchConfig:
     try:
         config = BenchConfig(
             modes=[m for m in args.modes.split(",") if m],
@@ -731,8 +753,33 @@ def second_server(args: argparse.Namespace) -> SecondServer | None:
     )
 
 
-def main() -> None:
-    run(parse_args())
+def cold_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> cold_start.ColdConfig:
+    """--cold-start's settings: the workloads, server, name and out-dir as the modes'."""
+    try:
+        if args.url is not None:
+            raise ValueError("--cold-start starts a server per burst: no --url")
+        config = cold_start.ColdConfig(
+            workloads=args.workloads.split(","),
+            server_env=parse_env(args.server_env),
+            name=args.name,
+            out_dir=args.out_dir,
+            model=args.model,
+            rounds=args.cold_rounds,
+            max_tokens=args.cold_max_tokens,
+        )
+        config.validate()
+    except ValueError as error:
+        parser.error(str(error))
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cold_start:
+        cold_start.run(cold_config(parser, args))
+    else:
+        run(bench_config(parser, args))
 
 
 if __name__ == "__main__":
