@@ -19,7 +19,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-draft bench-overhead loadtest soak clean
+.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-draft bench-overhead loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -94,14 +94,30 @@ draft: models
 	$(PY) -m build.train_draft --target $(TARGET)
 	$(PY) build/prepare_models.py --models-dir $(MODELS)
 
-# By workload (chat, grounded) at 1, 4, 16 and 64 concurrent streams, on one server of its
-# own in DTYPE: k = 0, each proposer alone, adaptive, and k = 0 again (the run's noise
-# floor), in interleaved windows; then k = 0 at 32 streams against a float32 server of its
-# own. Writes results/bench.{json,csv,png} (about 50 minutes on 2 cores).
+# By workload (chat, grounded, rewrite) at 1, 4, 16 and 64 concurrent streams, twice: on a
+# float32 server of its own, then on a bfloat16 one (a CPU without bfloat16 instructions
+# serves float32: both are measured). On each, k = 0, each proposer alone, adaptive, and
+# k = 0 again (the run's noise floor), in interleaved windows; after the bfloat16 run, k = 0
+# at 32 streams against a float32 server of its own. Writes
+# results/bench-{float32,bfloat16}.{json,csv,png} (three workloads in two precisions: about
+# three times the 50 minutes that one precision of chat and grounded took on 2 cores).
+BENCH_WORKLOADS ?= chat,grounded,rewrite
+BENCH_ARGS = --workloads $(BENCH_WORKLOADS) --modes k0,draft,ngram,adaptive,k0-again \
+	--concurrency 1,4,16,64 --level-seconds 30
 bench: models
-	$(PY) loadtest/bench.py --name bench --workloads chat,grounded \
-		--modes k0,draft,ngram,adaptive,k0-again --concurrency 1,4,16,64 --level-seconds 30 \
-		--float32-concurrency 32 --server-env DTYPE=$(DTYPE)
+	$(PY) loadtest/bench.py --name bench-float32 $(BENCH_ARGS) --server-env DTYPE=float32
+	$(PY) loadtest/bench.py --name bench-bfloat16 $(BENCH_ARGS) --server-env DTYPE=bfloat16 \
+		--float32-concurrency 32
+
+# A fresh server meets a burst (issue 30): per workload and round, k = 0, adaptive and k = 0
+# again each on a server started for it alone, 4 requests at 1 stream then 32 at 16 streams,
+# 64 tokens each; adaptive / k0 and k0-again / k0 by phase, in float32 and in bfloat16.
+# Writes results/bench-cold-{float32,bfloat16}-cold.{json,csv}.
+COLD_ROUNDS ?= 2
+COLD_ARGS = --cold-start --workloads $(BENCH_WORKLOADS) --cold-rounds $(COLD_ROUNDS)
+bench-cold: models
+	$(PY) loadtest/bench.py --name bench-cold-float32 $(COLD_ARGS) --server-env DTYPE=float32
+	$(PY) loadtest/bench.py --name bench-cold-bfloat16 $(COLD_ARGS) --server-env DTYPE=bfloat16
 
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models
