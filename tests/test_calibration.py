@@ -7,25 +7,26 @@ import pytest
 
 from specdec.loop.calibration import CONTEXT_TOKENS, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
+from specdec.loop.proposers import ngram
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.text.request import GenerationRequest
-from tests.fakes import FakeEngines, fake_decode, oracle_continuation
+from fakes import FakeEngines, fake_decode, oracle_continuation
 
 
 class ClockedEngines(FakeEngines):
     """FakeEngines whose calls advance a scripted clock by a cost of their shape: the target
-    by tokens fed, the draft by rows and steps."""
+    by tokens fed (`fixed` seconds + 1 ms per token), the draft by rows and steps."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, fixed: float = 0.010) -> None:
         super().__init__(num_slots)
         self.now = 0.0
+        self.fixed = fixed
 
     def clock(self) -> float:
         return self.now
 
-    @staticmethod
-    def target_cost(tokens: int) -> float:
-        return 0.010 + 0.001 * tokens
+    def target_cost(self, tokens: int) -> float:
+        return self.fixed + 0.001 * tokens
 
     @staticmethod
     def draft_step_cost(rows: int) -> float:
@@ -145,3 +146,28 @@ def test_a_calibrated_server_does_not_bet_the_first_burst_on_an_unmeasured_draft
     first draft calls are probes of one row each."""
     assert 16 in draft_rows_in_first_steps(calibrated=False)
     assert all(rows == 1 for rows in draft_rows_in_first_steps(calibrated=True))
+
+
+def first_step_lookup_tokens(rows: int) -> int:
+    """Draft tokens prompt lookup proposes in a fresh, calibrated server's first step, with
+    `rows` requests whose prompts repeat (every row has a match). The target's fixed cost
+    is 37.3 ms, so one token more per row costs 1.3x at 16 rows and 1.03x at one row."""
+    engines = ClockedEngines(num_slots=16, fixed=0.0373)
+    config = adaptive_config()
+    config.proposers = ("ngram",)
+    scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    scheduler.calibrate(budget_s=100, clock=engines.clock)
+    for i in range(rows):
+        scheduler.submit(GenerationRequest(None, [5 + i, 6, 7, 5 + i, 6, 7, 5 + i, 6], 20))
+    scheduler.step()
+    return scheduler.last_iteration.num_draft_tokens
+
+
+def test_a_fresh_servers_lookups_bet_only_where_a_token_costs_little(monkeypatch):
+    """Before any lookup is verified, prompt lookup assumes COLD_PRIOR (0.25) acceptance:
+    one row's lookups go ahead (a verify of two tokens costs 1.03 steps), sixteen rows' do
+    not (1.3 steps). With the old prior of one half they did."""
+    assert first_step_lookup_tokens(rows=1) > 0
+    assert first_step_lookup_tokens(rows=16) == 0
+    monkeypatch.setattr(ngram, "COLD_PRIOR", 0.5)
+    assert first_step_lookup_tokens(rows=16) > 0

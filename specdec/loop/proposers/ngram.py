@@ -121,6 +121,11 @@ NGRAM_MARGIN = 1.05
 # token: its acceptance estimate would otherwise never recover from a bad start.
 NGRAM_PROBE_EVERY = 16
 ROW_WINDOW = 16  # a row's own acceptance window: rows differ, and a request is short
+# What every row's lookups are assumed to be worth before any has been verified (a fresh
+# server): cautious, so that the first burst's lookups go only where a token costs little
+# (a few rows: one verify costs about what one step does) and not across a large batch on
+# the strength of a guess; two pseudo-observations, so that the first verdicts rule.
+COLD_PRIOR = 0.25
 
 
 @dataclass
@@ -144,7 +149,9 @@ class NgramProposer(Proposer):
         self.target_cost = target_cost
         self.rows: dict[int, NgramRow] = {}  # by sequence id
         # Every row's lookups, by match length: a 3-token match is a surer guess than one token.
-        self.acceptance = {n: AcceptanceWindow(self.max_k) for n in self.match_lengths}
+        self.acceptance = {
+            n: AcceptanceWindow(self.max_k, prior=COLD_PRIOR) for n in self.match_lengths
+        }
         # Whole steady iterations without a model draft, by tokens verified: what the plan
         # prices its tokens by. The target call alone sees neither the loop's own work per
         # proposed token nor what every iteration pays (docs/benchmarks.md, 2026-12-02).
