@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from fakes import FakeEngines, fake_decode, oracle_continuation
 from specdec.loop.calibration import CONTEXT_TOKENS, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.proposers import ngram
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.text.request import GenerationRequest
-from fakes import FakeEngines, fake_decode, oracle_continuation
 
 
 class ClockedEngines(FakeEngines):
