@@ -179,7 +179,11 @@ def server_command(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
         f"--exit-timeout-secs={config.exit_timeout_s}",
         "--log-verbose=0",
     ]
-    return command, server_env()
+    env = server_env()
+    # speculative_decoding asks Triton's readiness on this port before its first BLS call
+    # (specdec/serving/bls_model.py, the start-up cost measurement).
+    env["SPECDEC_HTTP_PORT"] = str(config.http_port)
+    return command, env
 
 
 def start(config: ServerConfig, log_file=None) -> subprocess.Popen:

@@ -19,6 +19,7 @@ import collections
 import functools
 import itertools
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field, fields
@@ -33,6 +34,7 @@ from specdec.loop.config import SchedulerConfig
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState, Update
+from specdec.processes import is_ready
 from specdec.serving.cancel_ring import CancelRing
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
@@ -53,10 +55,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # (_mark_cancelled): bounded, so asking costs the same however long the queue is.
 WAITING_CANCEL_CHECKS = 16
 ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]
-# How long the start-up cost measurement waits for the engine models to load, and how often
-# it tries them meanwhile.
-ENGINE_WAIT_S = 600.0
-ENGINE_POLL_S = 0.2
+# How long the start-up cost measurement waits for Triton to be ready, and how often it
+# asks meanwhile.
+SERVER_WAIT_S = 600.0
+SERVER_POLL_S = 0.2
 
 
 class TritonEngines:
@@ -196,28 +198,39 @@ class TritonPythonModel:
 
     def _calibrate(self) -> None:
         """Measures the engines' costs (the scheduler's calibrate) on the loop's thread before
-        it serves: Triton refuses BLS calls in initialize, and while the server is not ready
-        (so a model_warmup request cannot make them either). It starts as soon as the engine
-        models answer, waiting up to ENGINE_WAIT_S; requests that arrive meanwhile wait. If
-        the engines never answer, the loop serves unmeasured (its curves learn online).
-        specdec_calibrated turns 1 when this is over."""
+        it serves. Triton refuses BLS calls in initialize, and its server crashed (signal 11,
+        2.51) on BLS calls made while other models were still loading, so this waits until
+        the server is ready: its HTTP health on SPECDEC_HTTP_PORT (set by
+        specdec/server_config.py; 8000 otherwise) says so, or a request has come in. Requests
+        that arrive meanwhile wait. If neither happens within SERVER_WAIT_S, or a call fails,
+        the loop serves unmeasured (its curves then learn online). specdec_calibrated turns 1
+        when this is over."""
         budget = self.calibration_seconds
         if budget <= 0:
             pb_utils.Logger.log_info("speculative_decoding: start-up cost measurement off")
-        deadline = time.monotonic() + ENGINE_WAIT_S
-        while budget > 0:
+        elif not self._wait_for_server():
+            pb_utils.Logger.log_warn(
+                "speculative_decoding: no start-up cost measurement: the server did not "
+                f"report ready within {SERVER_WAIT_S:.0f} s"
+            )
+        else:
             try:
                 calibration = self.scheduler.calibrate(budget)
                 pb_utils.Logger.log_info(f"speculative_decoding: {calibration.summary()}")
-                break
-            except Exception as error:  # the server is not ready yet
-                if self.stopping or time.monotonic() > deadline:
-                    pb_utils.Logger.log_warn(
-                        f"speculative_decoding: no start-up cost measurement: {error}"
-                    )
-                    break
-                time.sleep(ENGINE_POLL_S)
+            except Exception as error:
+                pb_utils.Logger.log_warn(
+                    f"speculative_decoding: no start-up cost measurement: {error}"
+                )
         self.metrics.calibrated.set(1)
+
+    def _wait_for_server(self) -> bool:
+        port = int(os.environ.get("SPECDEC_HTTP_PORT", "8000"))
+        deadline = time.monotonic() + SERVER_WAIT_S
+        while not self.stopping and time.monotonic() < deadline:
+            if self.scheduler.has_work or is_ready(port):  # a request: it is ready
+                return True
+            time.sleep(SERVER_POLL_S)
+        return False
 
     # -- requests in ---------------------------------------------------------------------
     def execute(self, requests):
