@@ -112,12 +112,12 @@ bench: models
 # A fresh server meets a burst (issue 30): per workload and round, k = 0, adaptive and k = 0
 # again each on a server started for it alone, 4 requests at 1 stream then 32 at 16 streams,
 # 64 tokens each; adaptive / k0 and k0-again / k0 by phase, in float32 and in bfloat16.
-# Writes results/bench-cold-{float32,bfloat16}-cold.{json,csv}.
+# Writes results/bench-{float32,bfloat16}-cold.{json,csv}, beside the warm runs of make bench.
 COLD_ROUNDS ?= 2
 COLD_ARGS = --cold-start --workloads $(BENCH_WORKLOADS) --cold-rounds $(COLD_ROUNDS)
 bench-cold: models
-	$(PY) loadtest/bench.py --name bench-cold-float32 $(COLD_ARGS) --server-env DTYPE=float32
-	$(PY) loadtest/bench.py --name bench-cold-bfloat16 $(COLD_ARGS) --server-env DTYPE=bfloat16
+	$(PY) loadtest/bench.py --name bench-float32 $(COLD_ARGS) --server-env DTYPE=float32
+	$(PY) loadtest/bench.py --name bench-bfloat16 $(COLD_ARGS) --server-env DTYPE=bfloat16
 
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models
