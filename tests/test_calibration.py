@@ -171,3 +171,33 @@ def test_a_fresh_servers_lookups_bet_only_where_a_token_costs_little(monkeypatch
     assert first_step_lookup_tokens(rows=16) == 0
     monkeypatch.setattr(ngram, "COLD_PRIOR", 0.5)
     assert first_step_lookup_tokens(rows=16) > 0
+
+
+def iterations_with_lookups(monkeypatch, steps: int, rows: int) -> int:
+    """Steps in which prompt lookup proposed, over `steps` steps of `rows` requests that join
+    one per step and whose lookups are never accepted (the scripted target does not repeat
+    the prompt); the loop times its steps by the scripted clock."""
+    engines = ClockedEngines(num_slots=16, fixed=0.0373)
+    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", engines.clock)
+    config = adaptive_config()
+    config.proposers = ("ngram",)
+    scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    scheduler.calibrate(budget_s=100, clock=engines.clock)
+    proposing = 0
+    for step in range(steps):
+        if step < rows:
+            prompt = [5 + step, 6, 7, 5 + step, 6, 7, 5 + step, 6]
+            scheduler.submit(GenerationRequest(None, prompt, 200))
+        scheduler.step()
+        proposing += scheduler.last_iteration.num_draft_tokens > 0
+    return proposing
+
+
+def test_lookup_probes_come_about_once_per_sixteen_steps_whatever_the_batch(monkeypatch):
+    """A row whose lookups are not used probes one token after NGRAM_PROBE_EVERY x batch
+    steps: a batch of 16 rows that joined at different steps probes about as often as one
+    row, not 16 times as often (each probe makes the verify's rows unequal in length, which
+    costs about a step's worth). With NGRAM_PROBE_EVERY steps whatever the batch, some row
+    probed in most steps."""
+    assert iterations_with_lookups(monkeypatch, 96, rows=1) <= 96 // ngram.NGRAM_PROBE_EVERY
+    assert iterations_with_lookups(monkeypatch, 96, rows=16) <= 96 // ngram.NGRAM_PROBE_EVERY

@@ -117,8 +117,12 @@ def plan_ngram_tokens(
 # The plan must promise this much more goodput than plain decoding: the cost curve and the
 # acceptance estimates are noisy, and a lost bet costs verify time.
 NGRAM_MARGIN = 1.05
-# A row with a match whose lookups have not been verified for this many steps proposes one
-# token: its acceptance estimate would otherwise never recover from a bad start.
+# A row with a match whose lookups have not been verified for this many steps times the
+# batch size proposes one token: its acceptance estimate would otherwise never recover from
+# a bad start. Scaled by the batch, so that the batch probes about once per NGRAM_PROBE_EVERY
+# steps whatever its size: a probe makes the target's rows unequal in length, and such a
+# verify cost 1.5x a plain step at 16 rows on a 2-core CPU (one probe every step in a cold
+# 16-stream chat burst made adaptive 0.70x of k = 0).
 NGRAM_PROBE_EVERY = 16
 ROW_WINDOW = 16  # a row's own acceptance window: rows differ, and a request is short
 # What every row's lookups are assumed to be worth before any has been verified (a fresh
@@ -174,7 +178,8 @@ class NgramProposer(Proposer):
     ) -> dict[int, int]:
         """Lookups for the rows where they pay: each row's own acceptance (shrunk towards
         every row's) against the measured cost of an iteration by tokens verified. A row
-        with a match left unverified for NGRAM_PROBE_EVERY steps tries one token."""
+        with a match left unverified for NGRAM_PROBE_EVERY x batch_size steps tries one
+        token."""
         options = []
         shared = {n: window.rates() for n, window in self.acceptance.items()}
         for i, candidate in enumerate(candidates):
@@ -192,7 +197,7 @@ class NgramProposer(Proposer):
             k = plan.get(option.row, 0)
             if k == 0:
                 row.idle += 1
-                if row.idle < NGRAM_PROBE_EVERY:
+                if row.idle < NGRAM_PROBE_EVERY * batch_size:
                     continue
                 k = 1
             row.idle = 0
