@@ -22,6 +22,7 @@ import json
 import os
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
@@ -34,7 +35,6 @@ from specdec.loop.config import SchedulerConfig
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState, Update
-from specdec.processes import is_ready
 from specdec.serving.cancel_ring import CancelRing
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
@@ -59,6 +59,15 @@ ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]
 # asks meanwhile.
 SERVER_WAIT_S = 600.0
 SERVER_POLL_S = 0.2
+
+
+def server_ready(url: str) -> bool:
+    """Triton's HTTP health says every model is loaded."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:  # HTTPError (503: not ready) is an OSError too
+        return False
 
 
 class TritonEngines:
@@ -224,10 +233,10 @@ class TritonPythonModel:
         self.metrics.calibrated.set(1)
 
     def _wait_for_server(self) -> bool:
-        port = int(os.environ.get("SPECDEC_HTTP_PORT", "8000"))
+        url = f"http://127.0.0.1:{os.environ.get('SPECDEC_HTTP_PORT', '8000')}/v2/health/ready"
         deadline = time.monotonic() + SERVER_WAIT_S
         while not self.stopping and time.monotonic() < deadline:
-            if self.scheduler.has_work or is_ready(port):  # a request: it is ready
+            if self.scheduler.has_work or server_ready(url):  # a request: it is ready
                 return True
             time.sleep(SERVER_POLL_S)
         return False
