@@ -20,6 +20,7 @@ configs stay usable as they are (docker compose mounts them).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -120,9 +121,12 @@ def render_repository(config: ServerConfig) -> Path:
 
 
 def pytriton_dir() -> Path:
-    import pytriton
-
-    return Path(pytriton.__file__).resolve().parent
+    """The installed pytriton package's folder, found without importing it: its __init__
+    imports its clients (gevent, zmq, ...), and only its tritonserver build is used here."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed: run `make venv`")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def prepare_backend(run_dir: Path) -> Path:
