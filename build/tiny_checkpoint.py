@@ -21,6 +21,7 @@ assumes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -107,6 +108,20 @@ def random_weights(config: TinyConfig, end_id: int) -> dict[str, torch.Tensor]:
     return weights
 
 
+def shaped_like(config: TinyConfig, checkpoint: Path) -> TinyConfig:
+    """`config` with the layer count and sizes of `checkpoint`'s config.json."""
+    source = json.loads((checkpoint / "config.json").read_text())
+    return dataclasses.replace(
+        config,
+        vocab_size=source["vocab_size"],
+        hidden_size=source["hidden_size"],
+        intermediate_size=source["intermediate_size"],
+        num_heads=source["num_attention_heads"],
+        num_kv_heads=source.get("num_key_value_heads", source["num_attention_heads"]),
+        num_layers=source["num_hidden_layers"],
+    )
+
+
 def end_token_id(tokenizer_dir: Path) -> int:
     """The id the server ends requests on: the tokenizer's eos (the target's config says it)."""
     return int(json.loads((tokenizer_dir / "config.json").read_text())["eos_token_id"])
@@ -135,9 +150,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint directory")
     parser.add_argument("--tokenizer-from", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shape-of",
+        type=Path,
+        help="random weights in this checkpoint's shape instead (its config.json: layers, "
+        "width, heads, MLP, vocabulary), e.g. to time the real target's shape on a GPU "
+        "without carrying its weights",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
-    out = run(TinyConfig(out=args.out, tokenizer_from=args.tokenizer_from, seed=args.seed))
+    config = TinyConfig(out=args.out, tokenizer_from=args.tokenizer_from, seed=args.seed)
+    if args.shape_of:
+        config = shaped_like(config, args.shape_of)
+    out = run(config)
     print(f"tiny checkpoint: {out} ({time.perf_counter() - start:.1f} s)")
 
 

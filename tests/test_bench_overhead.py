@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from build.tiny_checkpoint import TinyConfig
+from build.tiny_checkpoint import TinyConfig, shaped_like
 from build.tiny_checkpoint import run as build_tiny
 from specdec.engines.in_process import LocalEngines
 from specdec.engines.llama import LlamaEngine
@@ -46,6 +46,23 @@ def test_tiny_checkpoint_is_deterministic_and_tiny(tiny, tmp_path):
     ).read_bytes()
     # embedding and head of 49152 x 64 float32, and a layer
     assert (tiny / "model.safetensors").stat().st_size < 26_000_000
+
+
+def test_shape_of_gives_random_weights_in_the_targets_shape(target_dir, tmp_path):
+    """--shape-of: the target's layer count and sizes (to time its shape on a GPU without
+    carrying its weights), random weights, its tokenizer."""
+    config = shaped_like(TinyConfig(out=tmp_path / "shaped"), target_dir)
+    real = LlamaEngine.from_checkpoint(target_dir, 1, 16).config
+    assert (config.num_layers, config.hidden_size, config.intermediate_size) == (
+        real.num_layers,
+        real.hidden_size,
+        real.intermediate_size,
+    )
+    assert (config.num_heads, config.num_kv_heads, config.vocab_size) == (
+        real.num_heads,
+        real.num_kv_heads,
+        VOCAB,
+    )
 
 
 def test_tiny_checkpoint_loads_in_the_engine_with_the_targets_vocabulary(tiny, target_dir):
