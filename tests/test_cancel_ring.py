@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 
-from specdec.serving.cancel_ring import CancelRing
+from specdec.serving.cancel_ring import CancelRing, RunningTurns
 
 
 class Request:
@@ -77,3 +77,46 @@ def test_every_waiting_request_is_taken_within_the_bound_while_the_queue_moves()
             waiting.append(request)
             ring.add(request)
             last_taken[request.name] = iteration
+
+
+# -- running requests (RunningTurns) ------------------------------------------------------
+class Running:
+    def __init__(self, name: int) -> None:
+        self.name = name
+        self.live = True
+
+
+def test_running_requests_are_asked_count_per_iteration_each_within_the_bound():
+    """64 running, 16 asked per iteration: each exactly once in every 4 iterations."""
+    running = [Running(i) for i in range(64)]
+    turns = RunningTurns[Running](lambda request: request.live)
+    asked: list[list[int]] = []
+    for _ in range(8):
+        turns.see(running)  # the loop shows every running request each iteration
+        asked.append([r.name for r in turns.take(16)])
+    assert all(len(names) == 16 for names in asked)
+    for start in range(0, 8, 4):
+        window = sorted(n for names in asked[start : start + 4] for n in names)
+        assert window == list(range(64))
+
+
+def test_a_request_joins_once_behind_the_others_and_leaves_when_it_ends():
+    running = [Running(i) for i in range(3)]
+    turns = RunningTurns[Running](lambda request: request.live)
+    turns.see(running)
+    turns.see(running)  # seen again: not added twice
+    assert len(turns) == 3
+    newcomer = Running(3)
+    turns.see([*running, newcomer])
+    assert [r.name for r in turns.take(2)] == [0, 1]
+    running[2].live = False  # finished or cancelled
+    assert [r.name for r in turns.take(2)] == [3, 0]
+    assert len(turns) == 3  # the ended one left the ring
+
+
+def test_few_running_requests_are_all_asked_every_iteration():
+    running = [Running(i) for i in range(5)]
+    turns = RunningTurns[Running](lambda request: request.live)
+    for _ in range(3):
+        turns.see(running)
+        assert sorted(r.name for r in turns.take(16)) == list(range(5))

@@ -35,7 +35,7 @@ from specdec.loop.config import SchedulerConfig
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState, Update
-from specdec.serving.cancel_ring import CancelRing
+from specdec.serving.cancel_ring import CancelRing, RunningTurns
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
 from specdec.serving.outbox import Outbox, Work
@@ -51,9 +51,11 @@ from specdec.text.request import InvalidInput, parse_requests
 from specdec.text.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# Waiting requests asked per iteration, round robin, whether their streams were cancelled
-# (_mark_cancelled): bounded, so asking costs the same however long the queue is.
+# Waiting and running requests asked per iteration, each round robin, whether their streams
+# were cancelled (_mark_cancelled): bounded, so asking costs the same however long the queue
+# and however large the batch.
 WAITING_CANCEL_CHECKS = 16
+RUNNING_CANCEL_CHECKS = 16
 ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]
 # How long the start-up cost measurement waits for Triton to be ready, and how often it
 # asks meanwhile.
@@ -194,6 +196,8 @@ class TritonPythonModel:
         # Waiting requests, in the order their turn comes to be asked about cancellation
         # (_mark_cancelled); guarded by self.lock.
         self.cancel_ring = CancelRing[Client](lambda client: client.waiting)
+        # Running requests, likewise (a request joins when first seen running).
+        self.running_turns = RunningTurns[Client](lambda client: not client.ended)
         # What the loop has to send since its last hand-over to the outbox (loop thread).
         self.work: list[Work] = []
         pb_utils.Logger.log_info(
@@ -358,17 +362,27 @@ class TritonPythonModel:
     def _mark_cancelled(self) -> None:
         """Drops cancelled streams, every sequence of the request. is_cancelled() crosses a
         process boundary (asking all 448 waiting requests at 512 users each iteration cost
-        more than the step's own work), so it is asked once per request, of at most
-        num_slots + WAITING_CANCEL_CHECKS requests per iteration however long the queue:
-        the running requests and those about to get a free slot (at most num_slots
-        together: where the answer changes this iteration's work), and the next
-        WAITING_CANCEL_CHECKS waiting requests, round robin (serving/cancel_ring.py).
+        more than the step's own work; asking every running one, 12 ms per iteration at 256
+        rows on a GPU host), so it is asked once per request, of at most num_slots +
+        RUNNING_CANCEL_CHECKS + WAITING_CANCEL_CHECKS requests per iteration however long
+        the queue and however large the batch: those about to get a free slot (where the
+        answer changes this iteration's work), the next RUNNING_CANCEL_CHECKS running ones
+        and the next WAITING_CANCEL_CHECKS waiting ones, each round robin
+        (serving/cancel_ring.py).
 
-        Delay bound: with Q requests waiting, each is asked at least once every
-        ceil(Q / WAITING_CANCEL_CHECKS) iterations (1,024 waiting: 64 iterations), and at
-        every iteration once it is about to get a slot, so a cancelled request never runs."""
+        Delay bound: with R requests running, each is asked at least once every
+        ceil(R / RUNNING_CANCEL_CHECKS) iterations (64 rows: 4 iterations; up to 16 rows:
+        every iteration); with Q waiting, each at least once every
+        ceil(Q / WAITING_CANCEL_CHECKS) iterations (1,024 waiting: 64), and at every
+        iteration once it is about to get a slot, so a cancelled request never starts."""
         head = itertools.islice(self.scheduler.waiting, len(self.scheduler.free_slots))
-        candidates = [self.clients.get(s.id) for s in itertools.chain(self.scheduler.running, head)]
+        candidates = [self.clients.get(s.id) for s in head]
+        self.running_turns.see(
+            client
+            for client in (self.clients.get(s.id) for s in self.scheduler.running)
+            if client is not None
+        )
+        candidates += self.running_turns.take(RUNNING_CANCEL_CHECKS)
         candidates += self.cancel_ring.take(WAITING_CANCEL_CHECKS)
         checked = set()
         for client in candidates:
