@@ -349,44 +349,47 @@ class LlamaEngine:
     def _batch_rows(self, rows, width, slot_ids, cache_lengths, starts) -> BatchedAttention:
         """One call for `rows`, each adding `width` tokens. Rows whose slots fill at least
         half of the range they span read it through a view (no copy; the other slots are
-        masked); sparser rows read a gathered copy of their own slots' keys and values."""
+        masked); sparser rows read a gathered copy of their own slots' keys and values.
+        Built with whole-array operations: a Python loop over the rows cost more host time
+        than a GPU spends on a 64-row verify."""
         c = self.config
         group = c.num_heads // c.num_kv_heads
-        first, last = min(slot_ids[r] for r in rows), max(slot_ids[r] for r in rows)
+        row_slots = np.asarray([slot_ids[r] for r in rows], dtype=np.int64)
+        first, last = int(row_slots.min()), int(row_slots.max())
         slots: slice | torch.Tensor
         if last - first + 1 <= 2 * len(rows):
             slots, span = slice(first, last + 1), last - first + 1
-            place = {r: slot_ids[r] - first for r in rows}
+            place = row_slots - first
         else:
-            slots = torch.tensor([slot_ids[r] for r in rows], device=self.device)
-            span, place = len(rows), {r: i for i, r in enumerate(rows)}
-        keys = max(cache_lengths[r] + width for r in rows)
-        sources: list[int] = []
-        dests: list[int] = []
-        allowed = torch.zeros(span, width, keys, dtype=torch.bool)
-        allowed[:, :, 0] = True  # slots not in the call attend somewhere finite; never read
-        for r in rows:
-            slot, cached = place[r], cache_lengths[r]
-            sources.extend(range(starts[r], starts[r] + width))
-            dests.extend(slot * width + t for t in range(width))
-            limits = torch.arange(cached, cached + width)  # each query sees keys <= its pos
-            allowed[slot] = torch.arange(keys)[None, :] <= limits[:, None]
+            slots = torch.from_numpy(row_slots).to(self.device)
+            span, place = len(rows), np.arange(len(rows))
+        cached = np.asarray([cache_lengths[r] for r in rows], dtype=np.int64)
+        row_starts = np.asarray([starts[r] for r in rows], dtype=np.int64)
+        keys = int(cached.max()) + width
+        steps = np.arange(width)
+        sources = (row_starts[:, None] + steps).reshape(-1)  # (M,) row by row
+        dests = (place[:, None] * width + steps).reshape(-1)
+        # Each query sees the keys up to its own position; slots not in the call attend to
+        # key 0 only (finite, never read).
+        allowed = np.zeros((span, width, keys), dtype=np.bool_)
+        allowed[:, :, 0] = True
+        limits = cached[:, None] + steps  # (rows, width): each query's position
+        allowed[place] = np.arange(keys) <= limits[:, :, None]
         order = None
         if span == len(rows):  # every place of the layout is a row's token
-            order = [0] * len(sources)
-            for source, dest in zip(sources, dests, strict=True):
-                order[dest] = source
-        allowed = allowed[:, None, None].expand(span, 1, group, width, keys)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, -math.inf)
+            order = np.empty(len(sources), dtype=np.int64)
+            order[dests] = sources
+        blocked = torch.from_numpy(~allowed)[:, None, None].expand(span, 1, group, width, keys)
+        mask = torch.zeros(blocked.shape, dtype=self.dtype).masked_fill_(blocked, -math.inf)
         return BatchedAttention(
             slots=slots,
             span=span,
             width=width,
             keys=keys,
-            sources=torch.tensor(sources, device=self.device),
-            dests=torch.tensor(dests, device=self.device),
+            sources=torch.from_numpy(sources).to(self.device),
+            dests=torch.from_numpy(dests).to(self.device),
             mask=mask.reshape(span, 1, group * width, keys).to(self.device),
-            order=torch.tensor(order, device=self.device) if order is not None else None,
+            order=torch.from_numpy(order).to(self.device) if order is not None else None,
         )
 
     def _batched_attention(self, li, q, attn, b: BatchedAttention) -> None:
@@ -453,18 +456,23 @@ class LlamaEngine:
                 )
         if self.decode_steps is not None and self.decode_steps.fits(input_lengths, num_logits):
             return self.decode_steps.run(input_ids, slot_ids, cache_lengths)
-        positions = torch.cat(
-            [torch.arange(cl, cl + ln) for cl, ln in zip(cache_lengths, input_lengths, strict=True)]
-        ).to(self.device)
-        token_slots = torch.repeat_interleave(
-            torch.tensor(slot_ids), torch.tensor(input_lengths)
-        ).to(self.device)
-        starts = [0]
-        for length in input_lengths:
-            starts.append(starts[-1] + length)
+        lengths = np.asarray(input_lengths, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        row_starts = ends - lengths
+        # Each token's position in its slot: its row's cached length + its index in the row.
+        packed = np.arange(int(ends[-1]))
+        offsets = np.asarray(cache_lengths, dtype=np.int64) - row_starts
+        positions = torch.from_numpy(packed + np.repeat(offsets, lengths)).to(self.device)
+        slots = np.repeat(np.asarray(slot_ids, dtype=np.int64), lengths)
+        token_slots = torch.from_numpy(slots).to(self.device)
+        starts = [0, *ends.tolist()]
         plan = self._plan_attention(input_lengths, slot_ids, cache_lengths, starts)
-        picks = torch.cat(
-            [torch.arange(starts[r + 1] - m, starts[r + 1]) for r, m in enumerate(num_logits)]
+        # The last num_logits[r] tokens of each row r.
+        wanted = np.asarray(num_logits, dtype=np.int64)
+        picked = np.arange(int(wanted.sum()))
+        first_pick = ends - wanted
+        picks = torch.from_numpy(
+            picked + np.repeat(first_pick - (np.cumsum(wanted) - wanted), wanted)
         ).to(self.device)
         return self._decode(input_ids.to(self.device), positions, token_slots, plan, picks)
 
