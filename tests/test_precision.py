@@ -10,11 +10,13 @@ import torch
 from build.tie_margin import PROMPTS
 from conftest import DRAFT
 from specdec.engines.greedy_parity import (
+    MARGINS,
     MEASURED_PRECISION_MOVE,
     MEASURED_VERIFY_MOVE,
     PRECISION_MARGIN,
     TIE_MARGIN,
     SingleSteps,
+    bfloat16_kind,
     gap_moves,
     greedy_top2,
     precision_moves,
@@ -48,6 +50,17 @@ def resolve_on(cpuinfo: str, requested: str = "auto", device: str = "cpu") -> st
 )
 def test_auto_on_the_cpu_follows_its_bfloat16_flags(cpuinfo, expected):
     assert resolve_on(cpuinfo) == expected
+
+
+def test_margins_follow_how_the_cpu_computes_bfloat16():
+    """Native bfloat16 kernels move a near tie further than emulated ones; each kind's
+    margins lie between its largest measured move and twice it."""
+    assert bfloat16_kind(CPU_WITH_BF16) == bfloat16_kind(CPU_WITH_AMX) == "native"
+    assert bfloat16_kind(CPU_WITHOUT) == bfloat16_kind("") == "emulated"
+    for margins in MARGINS.values():
+        assert margins.verify_move <= margins.tie <= 2 * margins.verify_move
+        assert margins.precision_move <= margins.precision <= 2 * margins.precision_move
+    assert MARGINS["native"].verify_move > MARGINS["emulated"].verify_move
 
 
 def test_auto_on_cuda_prefers_bfloat16_then_float16():

@@ -23,14 +23,44 @@ from dataclasses import dataclass
 
 import torch
 
-# The reference's top-2 logit gap below which a bfloat16 verify of k + 1 tokens and
-# one-token steps may pick differently: 1.5x the largest move of that gap between the two
-# that build/tie_margin.py measured, rounded up (docs/benchmarks.md, Precision).
-MEASURED_VERIFY_MOVE = 0.395
-TIE_MARGIN = 0.6
-# Likewise for bfloat16 one-token steps against float32 ones (float32's gap).
-MEASURED_PRECISION_MOVE = 0.248
-PRECISION_MARGIN = 0.375
+
+@dataclass(frozen=True)
+class Bfloat16Margins:
+    """One way of computing bfloat16: the largest moves build/tie_margin.py measured there,
+    and the margins set from them (1.5x, rounded up; docs/benchmarks.md, Precision)."""
+
+    # The reference's top-2 logit gap below which a bfloat16 verify of k + 1 tokens and
+    # one-token steps may pick differently, and the largest move of that gap measured.
+    verify_move: float
+    tie: float
+    # Likewise for bfloat16 one-token steps against float32 ones (float32's gap).
+    precision_move: float
+    precision: float
+
+
+# How far the moves go depends on the kernels: a CPU without bfloat16 instructions takes
+# torch's own (emulated), one with avx512_bf16 or amx_bf16 oneDNN's bfloat16 kernels
+# (native), whose moves on the same prompts went further (0.658 against 0.395 on a verify;
+# both AMD EPYC, 2 cores, torch 2.13). A GPU's kernels are not measured yet.
+MARGINS = {
+    "emulated": Bfloat16Margins(verify_move=0.395, tie=0.6, precision_move=0.248, precision=0.375),
+    "native": Bfloat16Margins(verify_move=0.658, tie=1.0, precision_move=0.556, precision=0.84),
+}
+
+
+def bfloat16_kind(cpuinfo: str | None = None) -> str:
+    """How this CPU computes bfloat16: natively (bfloat16 instructions) or emulated."""
+    from specdec.engines.select import cpu_has_bf16, read_cpuinfo
+
+    return "native" if cpu_has_bf16(read_cpuinfo() if cpuinfo is None else cpuinfo) else "emulated"
+
+
+# This host's: what the tests and tools hold bfloat16 to here.
+HOST_MARGINS = MARGINS[bfloat16_kind()]
+MEASURED_VERIFY_MOVE = HOST_MARGINS.verify_move
+TIE_MARGIN = HOST_MARGINS.tie
+MEASURED_PRECISION_MOVE = HOST_MARGINS.precision_move
+PRECISION_MARGIN = HOST_MARGINS.precision
 
 Decode = Callable[[Sequence[int]], str]
 
