@@ -467,13 +467,11 @@ class LlamaEngine:
         token_slots = torch.from_numpy(slots).to(self.device)
         starts = [0, *ends.tolist()]
         plan = self._plan_attention(input_lengths, slot_ids, cache_lengths, starts)
-        # The last num_logits[r] tokens of each row r.
+        # The last num_logits[r] tokens of each row r: pick j of row r is token
+        # ends[r] - wanted[r] + (j - picks before row r) = j + ends[r] - cumsum(wanted)[r].
         wanted = np.asarray(num_logits, dtype=np.int64)
-        picked = np.arange(int(wanted.sum()))
-        first_pick = ends - wanted
-        picks = torch.from_numpy(
-            picked + np.repeat(first_pick - (np.cumsum(wanted) - wanted), wanted)
-        ).to(self.device)
+        shifts = np.repeat(ends - np.cumsum(wanted), wanted)
+        picks = torch.from_numpy(np.arange(int(wanted.sum())) + shifts).to(self.device)
         return self._decode(input_ids.to(self.device), positions, token_slots, plan, picks)
 
     def _padded_decode(self, step: DecodeStep) -> torch.Tensor:
