@@ -78,7 +78,8 @@ def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
         batch.num_steps.tolist(),
     )  # (sum num_steps, V)
     rows = np.repeat(np.arange(len(batch.slot_ids)), batch.num_steps)
-    steps = np.concatenate([np.arange(n) for n in batch.num_steps]).astype(np.int64)
+    counts = batch.num_steps.astype(np.int64)
+    steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     # Logits after the fed token at position p choose the token at p + 1.
     fed = batch.cache_lengths.astype(np.int64) + batch.input_lengths - batch.num_steps
     tokens, log_probs = _choose(logits, batch, rows, steps, fed[rows] + steps + 1, True)
