@@ -20,6 +20,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from specdec.serving.responses import PERF_OUTPUTS
+from specdec.triton_access import TritonAccess
 
 INPUT_TYPES: dict[str, tuple[str, type]] = {
     "max_tokens": ("INT32", np.int32),
@@ -111,12 +112,21 @@ class GenerationResult:
 class StreamingClient:
     """One gRPC stream; `generate` sends one request on it and collects its responses."""
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "ensemble") -> None:
+    def __init__(
+        self,
+        url: str = "127.0.0.1:8001",
+        model: str = "ensemble",
+        access: TritonAccess | None = None,  # default: from the environment
+    ) -> None:
         self.url = url
         self.model = model
-        self.client = grpcclient.InferenceServerClient(url)
+        access = TritonAccess.from_env() if access is None else access
+        self.client = grpcclient.InferenceServerClient(url, **access.client_kwargs)
         self.responses: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+        self.client.start_stream(
+            callback=lambda result, error: self.responses.put((result, error)),
+            headers=access.headers,
+        )
 
     def close(self) -> None:
         self.client.stop_stream(cancel_requests=True)

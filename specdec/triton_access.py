@@ -1,0 +1,57 @@
+"""How a client of our own reaches Triton when Triton is locked: the inference key header and
+gRPC TLS. One place for the names, read by specdec/client.py, the OpenAI API and the tools.
+
+Environment (the server side reads the same names; docs/operations.md, Security):
+- TRITON_INFERENCE_KEY: when set, Triton's inference and model-metadata APIs (gRPC and HTTP)
+  answer only requests with the header `inference-key: <value>`; clients send it.
+- GRPC_SSL_ROOT_CERT: a PEM file of the certificate authority that signed Triton's gRPC
+  certificate; when set, clients connect with TLS and trust it.
+- GRPC_SSL_CERT, GRPC_SSL_KEY: Triton's own certificate and key (the server side only).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+INFERENCE_KEY_HEADER = "inference-key"
+
+
+class AccessError(ValueError):
+    """A credential setting that cannot work (a missing or unreadable file); names it."""
+
+
+@dataclass(frozen=True)
+class TritonAccess:
+    """What a gRPC client of Triton needs beyond the address."""
+
+    inference_key: str | None = None
+    root_cert: str | None = None  # a PEM file's path; None: plain text (h2c)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> TritonAccess:
+        env = dict(os.environ if env is None else env)
+        root_cert = None
+        if path := env.get("GRPC_SSL_ROOT_CERT"):
+            try:
+                pem = Path(path).read_bytes()
+            except OSError as error:
+                raise AccessError(f"GRPC_SSL_ROOT_CERT: cannot read {path}: {error}") from None
+            if b"BEGIN CERTIFICATE" not in pem:
+                raise AccessError(f"GRPC_SSL_ROOT_CERT: {path} holds no PEM certificate")
+            root_cert = path
+        return cls(inference_key=env.get("TRITON_INFERENCE_KEY") or None, root_cert=root_cert)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """For tritonclient's `headers=` (infer, start_stream, stream_infer, ...)."""
+        return {INFERENCE_KEY_HEADER: self.inference_key} if self.inference_key else None
+
+    @property
+    def client_kwargs(self) -> dict:
+        """For tritonclient's gRPC `InferenceServerClient(url, **client_kwargs)`, sync or aio
+        (both read `root_certificates` from the path)."""
+        if self.root_cert is None:
+            return {}
+        return {"ssl": True, "root_certificates": self.root_cert}
