@@ -2,8 +2,10 @@
 gRPC TLS. One place for the names, read by specdec/client.py, the OpenAI API and the tools.
 
 Environment (the server side reads the same names; docs/operations.md, Security):
-- TRITON_INFERENCE_KEY: when set, Triton's inference and model-metadata APIs (gRPC and HTTP)
-  answer only requests with the header `inference-key: <value>`; clients send it.
+- TRITON_INFERENCE_KEY: when set, Triton's inference, metadata, model-config and statistics
+  APIs answer only requests that carry the key: on HTTP the header `inference-key: <value>`,
+  on gRPC `triton-grpc-protocol-inference-key: <value>` (Triton's gRPC frontend prefixes every
+  restriction's header name so); clients send it.
 - GRPC_SSL_ROOT_CERT: a PEM file of the certificate authority that signed Triton's gRPC
   certificate; when set, clients connect with TLS and trust it.
 - GRPC_SSL_CERT, GRPC_SSL_KEY: Triton's own certificate and key (the server side only).
@@ -12,10 +14,11 @@ Environment (the server side reads the same names; docs/operations.md, Security)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-INFERENCE_KEY_HEADER = "inference-key"
+INFERENCE_KEY_HEADER = "inference-key"  # the restriction's header name; HTTP sends it as is
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # gRPC: Triton expects this before the name
 
 
 class AccessError(ValueError):
@@ -26,7 +29,7 @@ class AccessError(ValueError):
 class TritonAccess:
     """What a gRPC client of Triton needs beyond the address."""
 
-    inference_key: str | None = None
+    inference_key: str | None = field(default=None, repr=False)  # never in a log line
     root_cert: str | None = None  # a PEM file's path; None: plain text (h2c)
 
     @classmethod
@@ -45,7 +48,14 @@ class TritonAccess:
 
     @property
     def headers(self) -> dict[str, str] | None:
-        """For tritonclient's `headers=` (infer, start_stream, stream_infer, ...)."""
+        """For tritonclient gRPC's `headers=` (infer, start_stream, stream_infer, ...)."""
+        if not self.inference_key:
+            return None
+        return {GRPC_HEADER_PREFIX + INFERENCE_KEY_HEADER: self.inference_key}
+
+    @property
+    def http_headers(self) -> dict[str, str] | None:
+        """For HTTP requests to Triton (tritonclient.http's `headers=`, urllib)."""
         return {INFERENCE_KEY_HEADER: self.inference_key} if self.inference_key else None
 
     @property
