@@ -4,8 +4,9 @@
     python -m specdec.launch --openai   # `make serve`: and the OpenAI-compatible API beside it
     python -m specdec.launch --exit-when-unready   # containers: exit 1 when a stub died
 
-The environment configures it (ports, ENGINE, DEVICE, DTYPE, checkpoints, NUM_SLOTS, ...;
-the list is in specdec/server_config.py). This module holds the supervisor and the command
+The environment configures it (ports, ENGINE, DEVICE, DTYPE, checkpoints, NUM_SLOTS, ...,
+and what locks it: TRITON_INFERENCE_KEY, GRPC_SSL_CERT / GRPC_SSL_KEY; the list is in
+specdec/server_config.py). This module holds the supervisor and the command
 line; tests and tools start servers with specdec/harness.py.
 """
 
@@ -19,7 +20,7 @@ import sys
 import time
 
 from specdec.processes import descendant_pids, end_with_parent, is_ready, process_alive
-from specdec.server_config import ServerConfig, server_command
+from specdec.server_config import ServerConfig, access_summary, server_command
 
 
 def supervise(
@@ -92,7 +93,7 @@ def main() -> None:
         start_openai_api()
     print(
         f"tritonserver on {config.address}: HTTP {config.http_port}, gRPC {config.grpc_port}, "
-        f"metrics {config.metrics_port} (Ctrl-C stops it)",
+        f"metrics {config.metrics_port}; {access_summary(config)} (Ctrl-C stops it)",
         flush=True,
     )
     command, env = server_command(config)

@@ -16,6 +16,15 @@ specdec/loop/calibration.py), RUN_DIR (.run). STREAM_INTERVAL, RESPONSE_THREAD, 
 CALIBRATION_SECONDS are checked here, before the server starts (specdec/serving/settings.py). The
 repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
 configs stay usable as they are (docker compose mounts them).
+
+Access (docs/operations.md, Security; checked before the server starts as well):
+TRITON_INFERENCE_KEY (Triton's inference, metadata, model-config and statistics APIs answer
+only requests with the header `inference-key: <value>`; gRPC clients send it as
+`triton-grpc-protocol-inference-key`, specdec/triton_access.py), TRITON_ADMIN_KEY (the same
+for the model-repository, shared-memory, trace and logging APIs, header `admin-key`),
+GRPC_SSL_CERT and GRPC_SSL_KEY (PEM files: gRPC over TLS). Health and metrics stay open.
+The keys are on tritonserver's command line (visible in the process list to users of the
+host); nothing of ours prints them.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from pathlib import Path
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent
 from specdec.serving.settings import ENV_CHECKS
+from specdec.triton_access import INFERENCE_KEY_HEADER
 
 ENGINE_MODELS = ("draft_model", "target_model")
 BLS_MODELS = ("speculative_decoding",)
@@ -55,6 +65,13 @@ ENV_PARAMETERS = {
     "DEFAULT_NUM_DRAFT_TOKENS": ("default_num_draft_tokens", BLS_MODELS),
     "CALIBRATION_SECONDS": ("calibration_seconds", BLS_MODELS),  # 0: no start-up measurement
 }
+# Triton's restricted API groups (a group may appear in one restriction only). The inference
+# key locks what a client of the models calls: inference, the metadata and config our OpenAI
+# API and perf_analyzer read first (the config names checkpoint paths), and the statistics.
+# Health stays open for probes, the gateway's checks and the BLS's own readiness check.
+INFERENCE_APIS = "inference,metadata,model-config,statistics"
+ADMIN_APIS = "model-repository,shared-memory,trace,logging"
+ADMIN_KEY_HEADER = "admin-key"
 
 
 @dataclass
@@ -68,6 +85,10 @@ class ServerConfig:
     # config.pbtxt parameter overrides: model name -> {parameter: value}
     parameters: dict[str, dict[str, str]] = field(default_factory=dict)
     exit_timeout_s: int = 30
+    inference_key: str | None = field(default=None, repr=False)  # TRITON_INFERENCE_KEY
+    admin_key: str | None = field(default=None, repr=False)  # TRITON_ADMIN_KEY
+    grpc_ssl_cert: Path | None = None  # GRPC_SSL_CERT, with GRPC_SSL_KEY: gRPC over TLS
+    grpc_ssl_key: Path | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerConfig:
@@ -76,11 +97,19 @@ class ServerConfig:
         for var, check in ENV_CHECKS.items():
             if env.get(var):
                 check(var, env[var])
+        if bool(env.get("GRPC_SSL_CERT")) != bool(env.get("GRPC_SSL_KEY")):
+            given, missing = sorted(("GRPC_SSL_CERT", "GRPC_SSL_KEY"), key=lambda v: not env.get(v))
+            raise ValueError(f"{missing}: not set, and {given} is: TLS needs both")
         config = cls(
             http_port=int(env.get("HTTP_PORT", 8000)),
             grpc_port=int(env.get("GRPC_PORT", 8001)),
             metrics_port=int(env.get("METRICS_PORT", 8002)),
+            inference_key=env.get("TRITON_INFERENCE_KEY") or None,
+            admin_key=env.get("TRITON_ADMIN_KEY") or None,
         )
+        if env.get("GRPC_SSL_CERT"):
+            config.grpc_ssl_cert = Path(env["GRPC_SSL_CERT"]).absolute()
+            config.grpc_ssl_key = Path(env["GRPC_SSL_KEY"]).absolute()
         if env.get("RUN_DIR"):
             config.run_dir = Path(env["RUN_DIR"])
         for var, (key, models) in ENV_PARAMETERS.items():
@@ -90,6 +119,37 @@ class ServerConfig:
         if "PROPOSERS" in env:  # "" is a value: no speculation
             config.parameters.setdefault("speculative_decoding", {})["proposers"] = env["PROPOSERS"]
         return config
+
+
+def access_arguments(config: ServerConfig) -> list[str]:
+    """tritonserver's options for the keys and TLS set in `config` (none when unset)."""
+    arguments = []
+    for apis, header, key in (
+        (INFERENCE_APIS, INFERENCE_KEY_HEADER, config.inference_key),
+        (ADMIN_APIS, ADMIN_KEY_HEADER, config.admin_key),
+    ):
+        if key:
+            arguments.append(f"--http-restricted-api={apis}:{header}={key}")
+            arguments.append(f"--grpc-restricted-protocol={apis}:{header}={key}")
+    if config.grpc_ssl_cert and config.grpc_ssl_key:
+        arguments += [
+            "--grpc-use-ssl=true",
+            f"--grpc-server-cert={config.grpc_ssl_cert}",
+            f"--grpc-server-key={config.grpc_ssl_key}",
+        ]
+    return arguments
+
+
+def access_summary(config: ServerConfig) -> str:
+    """What is locked, for a start-up line (never the keys themselves)."""
+    locks = []
+    if config.grpc_ssl_cert:
+        locks.append("gRPC TLS")
+    if config.inference_key:
+        locks.append(f"inference needs the {INFERENCE_KEY_HEADER} header")
+    if config.admin_key:
+        locks.append(f"admin APIs need the {ADMIN_KEY_HEADER} header")
+    return ", ".join(locks) or "no TLS, no keys"
 
 
 def set_parameter(config_text: str, key: str, value: str) -> str:
@@ -182,6 +242,7 @@ def server_command(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
         "--model-control-mode=none",
         f"--exit-timeout-secs={config.exit_timeout_s}",
         "--log-verbose=0",
+        *access_arguments(config),
     ]
     env = server_env()
     # speculative_decoding asks Triton's readiness on this port before its first BLS call
