@@ -7,6 +7,7 @@ import importlib.util
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from specdec.server_config import ServerConfig, render_repository
 
 COMPOSE = PROJECT_ROOT / "docker-compose.yml"
 IMAGE_ROOT = "/opt/specdec"  # where docker/Dockerfile puts the repository
-GENERATED = {"models", "results", ".run/engines"}  # made by the build service / make
+GENERATED = {"models", "results", ".run/engines", ".run/certs"}  # made by build / make / docker
 
 
 def expand(value: str) -> str:
@@ -145,17 +146,95 @@ def load_entrypoint():
     return module
 
 
+def restrictions(command: list[str], flag: str) -> dict[str, tuple[set[str], str]]:
+    """header name -> (the APIs it locks, the key) for one of the restriction flags."""
+    groups = {}
+    for value in [c.split("=", 1)[1] for c in command if c.startswith(flag + "=")]:
+        apis, restriction = value.split(":", 1)
+        header, key = restriction.split("=", 1)
+        assert header not in groups
+        groups[header] = (set(apis.split(",")), key)
+    return groups
+
+
 def test_entrypoint_restricts_apis_and_disables_model_control(tmp_path):
     command = load_entrypoint().server_command(tmp_path, {"TRITON_ADMIN_KEY": "secret"})
     assert command[0] == "/opt/tritonserver/bin/tritonserver"
     assert "--model-control-mode=none" in command
     for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
-        (value,) = [c.split("=", 1)[1] for c in command if c.startswith(flag + "=")]
-        apis, header = value.split(":")
-        assert {"model-repository", "shared-memory"} <= set(apis.split(","))
-        assert header == "admin-key=secret"
+        (apis, key) = restrictions(command, flag)["admin-key"]
+        assert {"model-repository", "shared-memory"} <= apis and "inference" not in apis
+        assert key == "secret"
+        assert set(restrictions(command, flag)) == {"admin-key"}  # inference open: no key set
     unset = load_entrypoint().server_command(tmp_path, {})
-    assert not any("admin-key=:" in c or c.endswith("admin-key=") for c in unset)
+    random_key = restrictions(unset, "--http-restricted-api")["admin-key"][1]
+    assert len(random_key) == 32 and random_key != "secret"
+    assert not any(c.startswith("--grpc-use-ssl") for c in command + unset)
+
+
+def test_entrypoint_locks_inference_beside_the_admin_apis_and_turns_on_tls(tmp_path):
+    """Both groups at once (Triton takes an API in one group only), health in neither."""
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    body = "MIIBszCCAVmgAwIBAgIU\n"
+    cert.write_text(f"-----BEGIN CERTIFICATE-----\n{body}-----END CERTIFICATE-----\n")
+    key.write_text(f"-----BEGIN PRIVATE KEY-----\n{body}-----END PRIVATE KEY-----\n")
+    env = {
+        "TRITON_INFERENCE_KEY": "infer-secret",
+        "GRPC_SSL_CERT": str(cert),
+        "GRPC_SSL_KEY": str(key),
+    }
+    command = load_entrypoint().server_command(tmp_path, env)
+    for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+        groups = restrictions(command, flag)
+        assert set(groups) == {"inference-key", "admin-key"}
+        inference, admin = groups["inference-key"][0], groups["admin-key"][0]
+        assert {"inference", "metadata", "model-config"} <= inference
+        assert not inference & admin and "health" not in inference | admin
+        assert groups["inference-key"][1] == "infer-secret"
+    assert "--grpc-use-ssl=true" in command
+    assert f"--grpc-server-cert={cert}" in command and f"--grpc-server-key={key}" in command
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("TRITON_INFERENCE_KEY", "two words", "expected printable ASCII without spaces"),
+        ("GRPC_SSL_CERT", "/opt/specdec/certs/missing.crt", "cannot read"),
+    ],
+)
+def test_entrypoint_refuses_a_bad_setting_before_tritonserver_runs(
+    tmp_path, variable, value, message
+):
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(tmp_path), variable: value}
+    if variable == "GRPC_SSL_CERT":
+        env["GRPC_SSL_KEY"] = value
+    done = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "docker" / "triton_entrypoint.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert f"triton_entrypoint: {variable}: " in done.stderr and message in done.stderr
+    if variable == "TRITON_INFERENCE_KEY":
+        assert value not in done.stderr + done.stdout  # the key is never printed
+    assert not (tmp_path / "model_repository").exists()  # nothing rendered, nothing started
+
+
+def test_the_inference_key_and_tls_reach_triton_and_the_openai_api(compose):
+    """One TRITON_INFERENCE_KEY for every Triton service and the API that calls them; the
+    certificates' folder mounted where both read it."""
+    services = compose["services"]
+    triton, openai = services["triton"]["environment"], services["openai"]["environment"]
+    assert triton["TRITON_INFERENCE_KEY"] == openai["TRITON_INFERENCE_KEY"]
+    assert triton["TRITON_INFERENCE_KEY"] == "${TRITON_INFERENCE_KEY:-}"  # unset: not locked
+    assert triton["GRPC_SSL_CERT"] == "${GRPC_SSL_CERT:-}"
+    assert triton["GRPC_SSL_KEY"] == "${GRPC_SSL_KEY:-}"
+    assert openai["GRPC_SSL_ROOT_CERT"] == "${GRPC_SSL_ROOT_CERT:-}"
+    for name in ("triton", "openai"):
+        mounts = {expand(v).split(":")[1]: expand(v) for v in services[name]["volumes"]}
+        assert mounts["/opt/specdec/certs"].endswith(":ro"), name  # read-only: keys inside
 
 
 @pytest.mark.parametrize("engine", ["tensorrt", "torch"])
