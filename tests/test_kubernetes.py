@@ -1,7 +1,9 @@
 """deploy/kubernetes, offline: the kustomizations render, every built-in kind validates against
 the Kubernetes API schema of a current release (PyPI's kubernetes-validate bundles them), and
 what the deployment depends on holds: probe paths and ports, the GPU, the drain, the gateway
-routing HTTP/2 to the gRPC port, and the autoscaler reading a metric made of our gauges.
+routing HTTP/2 to the gRPC port, the autoscaler reading a metric made of our gauges, the
+inference key's Secret, and the NetworkPolicy that lets only the gateway, the OpenAI API and
+Prometheus reach the Triton pods.
 
 Rendering: a small renderer of the kustomize subset these files use (resources, namespace,
 images, JSON 6902 patches), so no cluster tool is needed; a real kustomize (`kubectl
@@ -31,6 +33,7 @@ from specdec.gateway.config import (
 )
 from specdec.gateway.drain import drain
 from specdec.paths import PROJECT_ROOT
+from specdec.server_config import ServerConfig
 
 DEPLOY = PROJECT_ROOT / "deploy" / "kubernetes"
 VARIANTS = ("base", "overlays/cpu", "overlays/tensorrt")
@@ -214,6 +217,11 @@ def pod_spec(documents: list[dict], name: str) -> dict:
     return find(documents, "Deployment", name)["spec"]["template"]["spec"]
 
 
+def plain_env(container: dict) -> dict[str, str]:
+    """The container's variables with a literal value (not those from a Secret)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
 def container_ports(container: dict) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in container["ports"]}
 
@@ -243,7 +251,7 @@ def test_triton_probes_ports_and_gpu(rendered, variant):
         c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
         for c in [triton, *spec["initContainers"]]
     ]
-    env = {e["name"]: e["value"] for e in triton["env"]}
+    env = plain_env(triton)
     if variant == "overlays/cpu":
         assert gpus == [None, None] and env["DEVICE"] == "cpu" and "tolerations" not in spec
     else:
@@ -251,7 +259,7 @@ def test_triton_probes_ports_and_gpu(rendered, variant):
         assert env["DEVICE"] == "cuda"
     assert env["ENGINE"] == ("tensorrt" if variant == "overlays/tensorrt" else "torch")
     (init,) = spec["initContainers"]
-    assert {e["name"]: e["value"] for e in init["env"]}["ENGINE"] == env["ENGINE"]
+    assert plain_env(init)["ENGINE"] == env["ENGINE"]
     assert init["command"] == ["bash", "docker/build_engines.sh"]
     assert (PROJECT_ROOT / "docker" / "build_engines.sh").exists()
     mounts = {m["mountPath"] for m in init["volumeMounts"]}
@@ -427,9 +435,142 @@ def test_openai_api_calls_the_gateway(rendered):
     (api,) = pod_spec(documents, "specdec-openai")["containers"]
     assert api["command"][-1] == "specdec.openai_api"
     assert (PROJECT_ROOT / "specdec" / "openai_api.py").exists()
-    env = {e["name"]: e["value"] for e in api["env"]}
+    env = plain_env(api)
     gateway = find(documents, "Service", "specdec")
     assert env["TRITON_HOST"] == gateway["metadata"]["name"]
     assert int(env["GRPC_PORT"]) == {p["name"]: p["port"] for p in gateway["spec"]["ports"]}["grpc"]
     assert api["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container_ports(api)["http"] == int(env["OPENAI_PORT"])
+
+
+# -- access: the inference key's Secret and who may reach the Triton pods ---------------------
+
+
+def pod_labels(documents: list[dict]) -> dict[str, dict[str, str]]:
+    """Deployment name -> its pods' labels."""
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in documents
+        if d["kind"] == "Deployment"
+    }
+
+
+def selected(selector: dict, documents: list[dict]) -> set[str]:
+    """The Deployments (of this deployment) whose pods a podSelector selects; an empty or
+    missing matchLabels selects them all. matchExpressions are not used here: refused."""
+    assert set(selector) <= {"matchLabels"}, selector
+    wanted = selector.get("matchLabels", {}).items()
+    return {name for name, labels in pod_labels(documents).items() if wanted <= labels.items()}
+
+
+def admitted(policy: dict, documents: list[dict]) -> dict[str, set[str]]:
+    """source -> the Triton container ports (by name) a NetworkPolicy lets it reach. A source
+    is one of our Deployments, `prometheus` (its pods in any namespace), or `ANY` for a rule
+    or peer that admits more (no `from`, an ipBlock, a namespace-wide peer)."""
+    ports = container_ports(pod_spec(documents, "specdec-triton")["containers"][0])
+    result: dict[str, set[str]] = {}
+    for rule in policy["spec"].get("ingress", []):
+        rule_ports = {p["port"] for p in rule.get("ports", [])} or set(ports)
+        assert rule_ports <= set(ports), f"{rule_ports} are not the Triton pods' port names"
+        sources: set[str] = set()
+        for peer in rule.get("from") or [{"ipBlock": {}}]:
+            if "ipBlock" in peer or "podSelector" not in peer:
+                sources.add("ANY")
+            elif "namespaceSelector" in peer:  # pods of this label in any namespace
+                labels = peer["podSelector"].get("matchLabels", {})
+                sources.add("prometheus" if labels == PROMETHEUS_LABELS else "ANY")
+            else:
+                sources |= selected(peer["podSelector"], documents)
+        for source in sources:
+            result.setdefault(source, set()).update(rule_ports)
+    return result
+
+
+PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}  # kube-prometheus-stack's pods
+EXPECTED_SOURCES = {
+    "specdec-gateway": {"grpc", "http"},  # streams, and its checks of /v2/health/ready
+    "specdec-openai": {"grpc"},
+    "prometheus": {"metrics"},  # monitoring.yaml's PodMonitor
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_only_the_gateway_the_api_and_prometheus_reach_the_triton_pods(rendered, variant):
+    documents = rendered[variant]
+    policy = find(documents, "NetworkPolicy", "specdec-triton")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert selected(policy["spec"]["podSelector"], documents) == {"specdec-triton"}
+    assert admitted(policy, documents) == EXPECTED_SOURCES
+    # The PodMonitor scrapes the port the policy opens to Prometheus.
+    (endpoint,) = find(documents, "PodMonitor", "specdec-triton")["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in EXPECTED_SOURCES["prometheus"]
+    # The gateway's backends are the ports the policy opens to it.
+    config = gateway_config(documents)
+    triton_ports = container_ports(pod_spec(documents, "specdec-triton")["containers"][0])
+    used = {int(p) for p in re.findall(r"svc\.[^:]+:(\d+)\"", config)}
+    used |= {int(p) for p in re.findall(r" check port (\d+)", config)}
+    assert used == {triton_ports[name] for name in EXPECTED_SOURCES["specdec-gateway"]}
+
+
+def test_the_policy_check_sees_a_policy_that_admits_more(rendered):
+    """Negative controls: each change to the policy is caught by `admitted`/`selected`."""
+    documents = rendered["base"]
+    policy = find(documents, "NetworkPolicy", "specdec-triton")
+    wider = copy.deepcopy(policy)
+    wider["spec"]["ingress"][1]["from"][0]["podSelector"] = {}  # every pod of the namespace
+    assert "specdec-triton" in admitted(wider, documents)
+    no_from = copy.deepcopy(policy)
+    del no_from["spec"]["ingress"][2]["from"]  # from everywhere
+    assert admitted(no_from, documents)["ANY"] == {"metrics"}
+    any_namespace = copy.deepcopy(policy)
+    any_namespace["spec"]["ingress"][0]["from"][0]["namespaceSelector"] = {}
+    assert "ANY" in admitted(any_namespace, documents)
+    all_ports = copy.deepcopy(policy)
+    del all_ports["spec"]["ingress"][1]["ports"]
+    assert admitted(all_ports, documents)["specdec-openai"] == {"grpc", "http", "metrics"}
+    everything = copy.deepcopy(policy)
+    everything["spec"]["podSelector"] = {}
+    assert selected(everything["spec"]["podSelector"], documents) > {"specdec-triton"}
+
+
+def secret_references(documents: list[dict]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(Deployment, variable) -> (Secret, key) for every secretKeyRef of every container."""
+    found = {}
+    for document in documents:
+        if document["kind"] != "Deployment":
+            continue
+        pod = document["spec"]["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            assert "envFrom" not in container  # every variable named
+            for variable in container.get("env", []):
+                ref = variable.get("valueFrom", {}).get("secretKeyRef")
+                if ref is not None:
+                    assert not ref.get("optional"), variable  # a missing Secret stops the pod
+                    found[(document["metadata"]["name"], variable["name"])] = (
+                        ref["name"],
+                        ref["key"],
+                    )
+    return found
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_secret_reference_names_a_secret_the_kustomization_provides(rendered, variant):
+    documents = rendered[variant]
+    references = secret_references(documents)
+    key_ref = ("specdec-triton-access", "inference-key")
+    # Triton starts with the key, the OpenAI API sends it; the gateway passes headers on.
+    assert references == {
+        ("specdec-triton", "TRITON_INFERENCE_KEY"): key_ref,
+        ("specdec-openai", "TRITON_INFERENCE_KEY"): key_ref,
+    }
+    for secret_name, key in set(references.values()):
+        secret = find(documents, "Secret", secret_name)
+        assert key in {**secret.get("data", {}), **secret.get("stringData", {})}
+
+
+def test_the_example_key_is_refused_so_it_is_never_served(rendered):
+    """The committed Secret holds a placeholder; a Triton pod given it does not start."""
+    secret = find(rendered["base"], "Secret", "specdec-triton-access")
+    (value,) = secret["stringData"].values()
+    with pytest.raises(ValueError, match="^TRITON_INFERENCE_KEY: still the committed example"):
+        ServerConfig.from_env({"TRITON_INFERENCE_KEY": value})
