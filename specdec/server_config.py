@@ -12,8 +12,10 @@ true or false: send each iteration's responses on a thread beside the loop; auto
 more usable cores; specdec/serving/outbox.py), STREAM_INTERVAL (1: output tokens a streamed
 sequence gathers between responses, for requests that send no stream_interval),
 CALIBRATION_SECONDS (5: the start-up cost measurement's budget, 0 = off;
-specdec/loop/calibration.py), RUN_DIR (.run). STREAM_INTERVAL, RESPONSE_THREAD, CUDA_GRAPHS and
-CALIBRATION_SECONDS are checked here, before the server starts (specdec/serving/settings.py). The
+specdec/loop/calibration.py), PREFIX_CACHE (on or off: prompts start from cached or running
+sequences' caches; specdec/loop/prefix_cache.py), PREFIX_MIN_TOKENS (64: the shortest prefix
+reused), RUN_DIR (.run). STREAM_INTERVAL, RESPONSE_THREAD, CUDA_GRAPHS, CALIBRATION_SECONDS and
+the PREFIX_ settings are checked here, before the server starts (specdec/serving/settings.py). The
 repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
 configs stay usable as they are (docker compose mounts them).
 
@@ -64,6 +66,8 @@ ENV_PARAMETERS = {
     "STREAM_INTERVAL": ("stream_interval", BLS_MODELS),
     "DEFAULT_NUM_DRAFT_TOKENS": ("default_num_draft_tokens", BLS_MODELS),
     "CALIBRATION_SECONDS": ("calibration_seconds", BLS_MODELS),  # 0: no start-up measurement
+    "PREFIX_CACHE": ("prefix_cache", BLS_MODELS),  # on, off
+    "PREFIX_MIN_TOKENS": ("prefix_min_tokens", BLS_MODELS),
 }
 # Triton's restricted API groups (a group may appear in one restriction only). The inference
 # key locks what a client of the models calls: inference, the metadata and config our OpenAI

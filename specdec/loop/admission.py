@@ -3,17 +3,19 @@
 Sequences join the running batch at step boundaries while slots are free and leave when
 done; the caches of both engines are addressed by the sequence's slot. The sequences that
 one prompt asks for (num_return_sequences) share its prompt cache: the first fills it, the
-others copy it into their slots at their first step instead of computing it again.
+others copy it into their slots at their first step instead of computing it again. Other
+requests whose prompts start with a cached or running sequence's tokens start from those
+(specdec/loop/prefix_cache.py).
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import secrets
 from collections.abc import Callable
 
+from specdec.loop.prefix_cache import PrefixMatch, SlotPool
 from specdec.loop.sequence import CacheCopy, SequenceState
 from specdec.text.detokenizer import Decode, IncrementalDetokenizer
 from specdec.text.request import GenerationRequest
@@ -25,16 +27,21 @@ class QueueFull(RuntimeError):
 
 class Admission:
     def __init__(
-        self, num_slots: int, max_queue: int, decode: Decode, clock: Callable[[], int]
+        self,
+        num_slots: int,
+        max_queue: int,
+        decode: Decode,
+        clock: Callable[[], int],
+        prefix_min_tokens: int | None = None,  # None: no prefix reuse across requests
     ) -> None:
         self.max_queue = max_queue
         self.decode = decode
         self.clock = clock  # for SequenceTimes
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
-        # A heap: the lowest free slot first, so a batch's slots stay close together (the
-        # engine's batched attention reads the slot range it spans).
-        self.free_slots = list(range(num_slots))
+        self.slots = SlotPool(num_slots, prefix_min_tokens)
+        # Running sequences whose prompts may be copied from, by their first tokens.
+        self.running_by_key: dict[tuple[int, ...], set[SequenceState]] = {}
         self._ids = itertools.count()
         self.num_cancelled_waiting = 0  # cancelled sequences still in self.waiting
 
@@ -44,7 +51,7 @@ class Admission:
         in order), all or none."""
         count = sum(r.num_return_sequences for r in requests)
         # Requests that will get a free slot at the next step are not queued behind anyone.
-        if len(self.waiting) + count > self.max_queue + len(self.free_slots):
+        if len(self.waiting) + count > self.max_queue + self.slots.num_free:
             raise QueueFull(f"queue full ({self.max_queue} requests waiting for a slot)")
         now = self.clock()
         sequences = []
@@ -79,28 +86,61 @@ class Admission:
         """Moves waiting sequences into free slots; returns how many joined."""
         admitted = 0
         now = self.clock()
-        while self.waiting and self.free_slots:
+        while self.waiting and self.slots.num_free:
             sequence = self.waiting.popleft()
             if sequence.cancelled:
                 continue
-            sequence.slot = heapq.heappop(self.free_slots)
+            self._place(sequence)
             sequence.times.first_scheduled_ns = now
-            parent = sequence.parent
-            # The parent's slot holds the prompt (once prefilled) for as long as it runs.
-            if parent is not None and parent.slot >= 0 and len(sequence.token_ids) > 1:
-                sequence.copy_source_slot = parent.slot
             self.running.append(sequence)
             admitted += 1
         return admitted
 
+    def _place(self, sequence: SequenceState) -> None:
+        """Gives the sequence its slot, and what it starts from: its parent's prompt cache,
+        a cached prefix it adopts, a running sequence's prefix it copies, or nothing."""
+        parent = sequence.parent
+        prompt_ids = sequence.request.prompt_ids
+        # The parent's slot holds the prompt (once prefilled) for as long as it runs.
+        if parent is not None and parent.slot >= 0 and len(sequence.token_ids) > 1:
+            sequence.slot = self.slots.take()
+            sequence.copy_source_slot, sequence.copy_from = parent.slot, parent
+            sequence.copy_length = len(prompt_ids) - 1  # the last prompt token is fed
+            return
+        match = self._find_prefix(prompt_ids)
+        if match is None:
+            sequence.slot = self.slots.take()
+        elif match.running:
+            sequence.slot = self.slots.take()
+            sequence.copy_source_slot, sequence.copy_from = match.slot, match.source
+            sequence.copy_length = match.length
+            self.slots.copied(match)
+        else:
+            sequence.slot = self.slots.adopt(match)
+            sequence.target_cache_length = sequence.num_copied_positions = match.length
+            sequence.draft_cache_length = match.draft_length
+        key = self.slots.key(prompt_ids[:-1])
+        if key is not None:
+            self.running_by_key.setdefault(key, set()).add(sequence)
+
+    def _find_prefix(self, prompt_ids: list[int]) -> PrefixMatch | None:
+        key = self.slots.key(prompt_ids[:-1])
+        if key is None:
+            return None
+        holders = self.running_by_key.get(key, ())
+        running = [(s.slot, s.token_ids, s.target_cache_length, s) for s in holders]
+        return self.slots.find(prompt_ids, running)
+
     @staticmethod
     def ready(sequence: SequenceState) -> bool:
         """False while the sequence waits for its parent's prefill to copy it."""
-        parent = sequence.parent
-        if sequence.copy_source_slot < 0 or parent is None or parent.stats.num_target_passes:
+        source = sequence.copy_from
+        if sequence.copy_source_slot < 0 or source is None or source is not sequence.parent:
+            return True  # nothing to copy, or a running sequence's positions, there now
+        if source.stats.num_target_passes:
             return True
-        if parent.slot < 0 or parent.cancelled:  # nothing to copy after all: prefill
-            sequence.copy_source_slot = -1
+        if source.slot < 0 or source.cancelled:  # nothing to copy after all: prefill
+            sequence.copy_source_slot, sequence.copy_from = -1, None
             return True
         return False
 
@@ -108,31 +148,42 @@ class Admission:
     def plan_copies(
         batch: list[SequenceState], copy_draft: bool
     ) -> tuple[list[CacheCopy], list[CacheCopy]]:
-        """(target copies, draft copies) for the rows that start from their parent's prompt
-        cache; sets their cache lengths to match. The draft's copy rides on this step's draft
-        call (`copy_draft`); without one the draft catches up."""
+        """(target copies, draft copies) for the rows that start from another sequence's
+        cache (their parent's prompt, or a running sequence's prefix); sets their cache
+        lengths to match. The draft's copy rides on this step's draft call (`copy_draft`);
+        without one the draft catches up."""
         target_copies, draft_copies = [], []
         for sequence in batch:
-            parent = sequence.parent
-            if sequence.copy_source_slot < 0 or parent is None:
+            source = sequence.copy_from
+            if sequence.copy_source_slot < 0 or source is None:
                 continue
-            source = sequence.copy_source_slot
-            length = len(sequence.request.prompt_ids) - 1  # the last prompt token is fed
-            target_copies.append((source, sequence.slot, length))
+            length = sequence.copy_length
+            target_copies.append((sequence.copy_source_slot, sequence.slot, length))
             sequence.target_cache_length = sequence.num_copied_positions = length
-            draft_length = min(parent.draft_cache_length, length)
+            draft_length = min(source.draft_cache_length, length)
             if copy_draft and draft_length > 0:
-                draft_copies.append((source, sequence.slot, draft_length))
+                draft_copies.append((sequence.copy_source_slot, sequence.slot, draft_length))
                 sequence.draft_cache_length = draft_length
-            sequence.copy_source_slot = -1
+            sequence.copy_source_slot, sequence.copy_from = -1, None
         return target_copies, draft_copies
 
     # -- leaving -------------------------------------------------------------------------
-    def release(self, sequence: SequenceState) -> None:
-        """Frees the sequence's slot (its caches' contents stay until the slot is reused)."""
-        if sequence.slot >= 0:
-            heapq.heappush(self.free_slots, sequence.slot)
-            sequence.slot = -1
+    def release(self, sequence: SequenceState, reusable: bool = True) -> None:
+        """Frees the sequence's slot. Its caches' contents stay until the slot is reused;
+        with the prefix cache on and `reusable`, later prompts may start from them."""
+        if sequence.slot < 0:
+            return
+        key = self.slots.key(sequence.request.prompt_ids[:-1])
+        holders = self.running_by_key.get(key, set()) if key is not None else set()
+        holders.discard(sequence)
+        if key is not None and not holders:
+            self.running_by_key.pop(key, None)
+        if reusable:
+            held = sequence.token_ids[: sequence.target_cache_length]
+            self.slots.give_back(sequence.slot, held, sequence.draft_cache_length)
+        else:
+            self.slots.give_back_empty(sequence.slot)
+        sequence.slot = -1
 
     def cancel(self, sequence: SequenceState) -> None:
         """Marks the sequence cancelled; the next drop_cancelled ends it."""
@@ -163,7 +214,8 @@ class Admission:
         ended = list(self.running) + list(self.waiting)
         for sequence in ended:
             sequence.finish_reason = reason
-            self.release(sequence)
+            self.release(sequence, reusable=False)
+        self.slots.forget_all()  # after a failure the engines' caches are not to be trusted
         self.running, self.waiting = [], collections.deque()
         self.num_cancelled_waiting = 0
         return ended

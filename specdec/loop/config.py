@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.loop.prefix_cache import DEFAULT_PREFIX_MIN_TOKENS
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.proposers.ngram import DEFAULT_MATCH_LENGTHS
 
@@ -17,3 +18,6 @@ class SchedulerConfig:
     max_queue: int = 1024  # waiting requests beyond this are refused
     proposers: tuple[str, ...] = PROPOSERS  # those the server runs, in order of preference
     ngram_match_lengths: tuple[int, ...] = DEFAULT_MATCH_LENGTHS
+    # Prompts that start with at least this many tokens of a cached or running sequence's
+    # start from them (specdec/loop/prefix_cache.py); None: no reuse across requests.
+    prefix_min_tokens: int | None = DEFAULT_PREFIX_MIN_TOKENS

@@ -25,6 +25,7 @@ from specdec.loop.calibration import Calibration, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.controller import CostCurve
 from specdec.loop.policy import ProposerPolicy, StepPlan
+from specdec.loop.prefix_cache import PrefixCounts
 from specdec.loop.proposers import REGISTRY
 from specdec.loop.proposers.base import Proposal, Proposer, TimedStep
 from specdec.loop.sequence import CacheCopy, SequenceState, Update, engine_batch
@@ -93,7 +94,9 @@ class SpeculativeScheduler:
     ) -> None:
         self.engines = MeteredEngines(engines)
         self.config = config
-        self.admission = Admission(config.num_slots, config.max_queue, decode, clock)
+        self.admission = Admission(
+            config.num_slots, config.max_queue, decode, clock, config.prefix_min_tokens
+        )
         self.target_cost = CostCurve()  # the target call's seconds by tokens verified
         self.proposers: dict[str, Proposer] = {
             name: REGISTRY[name](config, self.engines, self.target_cost)
@@ -122,8 +125,17 @@ class SpeculativeScheduler:
         return self.admission.running
 
     @property
-    def free_slots(self) -> list[int]:
-        return self.admission.free_slots
+    def num_free_slots(self) -> int:
+        """Slots a waiting sequence may take now (cached prefixes give theirs way)."""
+        return self.admission.slots.num_free
+
+    @property
+    def prefix_counts(self) -> PrefixCounts:
+        return self.admission.slots.counts
+
+    @property
+    def num_cached_prefixes(self) -> int:
+        return len(self.admission.slots.cached)
 
     @property
     def has_work(self) -> bool:

@@ -56,7 +56,9 @@ class SequenceState:
     cancelled: bool = False
     sequence_index: int = 0  # which of its prompt's num_return_sequences
     parent: SequenceState | None = None  # its prompt's first sequence: the prompt cache's source
-    copy_source_slot: int = -1  # >= 0: copy the prompt's cache from there at the first step
+    copy_source_slot: int = -1  # >= 0: copy a prefix's cache from there at the first step
+    copy_from: SequenceState | None = None  # the sequence that holds it (parent or running)
+    copy_length: int = 0  # positions to copy
     num_copied_positions: int = 0  # cache positions copied instead of computed
     output_log_probs: list[float] = field(default_factory=list)  # one per output token
     times: SequenceTimes = field(default_factory=SequenceTimes)

@@ -32,6 +32,7 @@ import triton_python_backend_utils as pb_utils
 from specdec.engines.wire import EngineBatch, EngineResult
 from specdec.loop.admission import QueueFull
 from specdec.loop.config import SchedulerConfig
+from specdec.loop.prefix_cache import DEFAULT_PREFIX_MIN_TOKENS
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState, Update
@@ -43,6 +44,8 @@ from specdec.serving.responses import StreamHold, response_arrays
 from specdec.serving.settings import (
     decide_response_thread,
     parse_calibration_seconds,
+    parse_prefix_cache,
+    parse_prefix_min_tokens,
     parse_response_thread,
     parse_stream_interval,
     usable_cores,
@@ -170,6 +173,12 @@ class TritonPythonModel:
             ),
             usable_cores(),
         )
+        prefix_min_tokens: int | None = parse_prefix_min_tokens(
+            "prefix_min_tokens (PREFIX_MIN_TOKENS)",
+            params.get("prefix_min_tokens", str(DEFAULT_PREFIX_MIN_TOKENS)),
+        )
+        if not parse_prefix_cache("prefix_cache (PREFIX_CACHE)", params.get("prefix_cache", "on")):
+            prefix_min_tokens = None
         self.tokenizer = load_tokenizer(resolve_path(params["checkpoint"]))
         self.config = SchedulerConfig(
             num_slots=int(params["num_slots"]),
@@ -178,6 +187,7 @@ class TritonPythonModel:
             default_draft_tokens=parse_default_k(params["default_num_draft_tokens"]),
             max_queue=int(params.get("max_queue", 1024)),
             proposers=parse_proposers(params.get("proposers", ",".join(PROPOSERS))),
+            prefix_min_tokens=prefix_min_tokens,
         )
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
@@ -323,7 +333,7 @@ class TritonPythonModel:
                     for sequence in failed:
                         self._end(sequence, f"speculative_decoding: {error}")
                     self.metrics.finished("error", len(failed))
-                    self.metrics.update_occupancy(0, 0, len(self.scheduler.free_slots))
+                    self.metrics.update_occupancy(0, 0, self.scheduler.num_free_slots)
                 self._hand_over()
                 continue
             stepped = clock()
@@ -339,7 +349,10 @@ class TritonPythonModel:
                 self.metrics.update_occupancy(
                     len(self.scheduler.running),
                     len(self.scheduler.waiting),
-                    len(self.scheduler.free_slots),
+                    self.scheduler.num_free_slots,
+                )
+                self.metrics.record_prefix_counts(
+                    self.scheduler.prefix_counts, self.scheduler.num_cached_prefixes
                 )
                 for update in updates:
                     self._respond(update)
@@ -375,7 +388,7 @@ class TritonPythonModel:
         every iteration); with Q waiting, each at least once every
         ceil(Q / WAITING_CANCEL_CHECKS) iterations (1,024 waiting: 64), and at every
         iteration once it is about to get a slot, so a cancelled request never starts."""
-        head = itertools.islice(self.scheduler.waiting, len(self.scheduler.free_slots))
+        head = itertools.islice(self.scheduler.waiting, self.scheduler.num_free_slots)
         candidates = [self.clients.get(s.id) for s in head]
         self.running_turns.see(
             client

@@ -15,6 +15,7 @@ from collections import Counter
 
 import triton_python_backend_utils as pb_utils
 
+from specdec.loop.prefix_cache import PrefixCounts
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import IterationStats
 from specdec.serving.metric_names import (
@@ -28,6 +29,21 @@ from specdec.serving.metric_names import (
     PASSES_BY_TOKENS,
 )
 from specdec.serving.outbox import PendingMetrics
+
+# PrefixCounts field -> (metric name, help)
+PREFIX_COUNTERS = (
+    ("num_hits", "specdec_prefix_hits_total", "Requests that started from a reused prefix"),
+    (
+        "num_reused_tokens",
+        "specdec_prefix_reused_tokens_total",
+        "Prompt positions reused from a cached or running sequence instead of prefilled",
+    ),
+    (
+        "num_evictions",
+        "specdec_prefix_evictions_total",
+        "Cached prefixes dropped to give their slot to a new sequence",
+    ),
+)
 
 
 class LoopMetrics:
@@ -129,6 +145,15 @@ class LoopMetrics:
         self.engine_result_bytes = {
             call: result_bytes.Metric(labels={**labels, "call": call}) for call in ENGINE_CALL_KINDS
         }
+        # Prefix reuse across requests (specdec/loop/prefix_cache.py): running totals.
+        self.prefix_counters = {
+            name: family(metric, text, counter).Metric(labels=labels)
+            for name, metric, text in PREFIX_COUNTERS
+        }
+        self.prefix_flushed = PrefixCounts()
+        self.cached_prefixes = family(
+            "specdec_cached_prefixes", "Free KV slots that hold a reusable prefix", gauge
+        ).Metric(labels=labels)
 
     def record_iteration(self, stats: IterationStats) -> None:
         """An iteration that ran (one target call): a fixed number of updates, not one per
@@ -177,6 +202,14 @@ class LoopMetrics:
         """The outbox's running total of busy seconds (Outbox.busy_seconds)."""
         self.pending.increment(self.outbox_seconds, total - self.outbox_seconds_flushed)
         self.outbox_seconds_flushed = total
+
+    def record_prefix_counts(self, counts: PrefixCounts, num_cached: int) -> None:
+        """The prefix cache's totals since start-up (increments since the last call go out)."""
+        for name, metric in self.prefix_counters.items():
+            total = getattr(counts, name)
+            self.pending.increment(metric, total - getattr(self.prefix_flushed, name))
+            setattr(self.prefix_flushed, name, total)
+        self.pending.set(self.cached_prefixes, num_cached)
 
     def update_occupancy(self, num_running: int, num_waiting: int, free_slots: int) -> None:
         """After every step, also one that ran nothing (the last streams were cancelled)."""

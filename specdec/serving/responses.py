@@ -13,7 +13,7 @@ postprocessing and tensorrt_llm models answer them (one response = one sequence)
 | context_logits | FP32 | (1, 1, 1) | zeros: not computed here (return_context_logits is refused) |
 | generation_logits | FP32 | (1, 1, 1, 1) | zeros: likewise (return_generation_logits) |
 | kv_cache_alloc_total_blocks | INT32 | (1, 1) | target cache positions held (block = 1 token) |
-| kv_cache_reused_blocks | INT32 | (1, 1) | of those, copied from its prompt's first sequence |
+| kv_cache_reused_blocks | INT32 | (1, 1) | of those, reused from another sequence's cache |
 | kv_cache_alloc_new_blocks | INT32 | (1, 1) | total - reused |
 | arrival_time_ns, ... | INT64 | (1, 1) | Unix time, ns; 0 until it happened |
 | acceptance_rate | FP32 | (1, 1) | accepted / proposed draft tokens, whole sequence so far |

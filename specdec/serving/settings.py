@@ -54,6 +54,26 @@ def parse_calibration_seconds(name: str, value: str) -> float:
     return seconds
 
 
+def parse_prefix_cache(name: str, value: str) -> bool:
+    """prefix_cache: on (the default) or off: whether prompts reuse cached or running
+    sequences' caches (specdec/loop/prefix_cache.py)."""
+    text = value.strip().lower()
+    if text not in ("on", "off") + TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"{name}: expected on or off, got {value!r}")
+    return text == "on" or text in TRUE_WORDS
+
+
+def parse_prefix_min_tokens(name: str, value: str) -> int:
+    """The shortest prefix worth reusing, in tokens."""
+    try:
+        tokens = int(value.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}") from None
+    if tokens < 1:
+        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    return tokens
+
+
 def parse_response_thread(name: str, value: str) -> bool | None:
     """response_thread: true, false, or auto (None: decided by the usable cores)."""
     if value.strip().lower() == "auto":
@@ -146,6 +166,8 @@ ENV_CHECKS = {
     "RESPONSE_THREAD": parse_response_thread,
     "CUDA_GRAPHS": parse_bool,
     "CALIBRATION_SECONDS": parse_calibration_seconds,
+    "PREFIX_CACHE": parse_prefix_cache,
+    "PREFIX_MIN_TOKENS": parse_prefix_min_tokens,
     "TRITON_INFERENCE_KEY": parse_header_key,
     "TRITON_ADMIN_KEY": parse_header_key,
     "GRPC_SSL_CERT": parse_certificate_file,

@@ -1,0 +1,68 @@
+"""Prefix reuse across requests through the real server (float32, the `server` fixture, whose
+prefix cache is on by default): a next turn and concurrent questions after one system text
+start from cached or running sequences' caches, and each still gives exactly the reference
+text (transformers' greedy generate on the same weights)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import hf_greedy_text
+from live import scrape
+from specdec.client import generate
+
+pytestmark = pytest.mark.server
+
+MIN_TOKENS = 64  # the committed prefix_min_tokens
+HITS, REUSED = "specdec_prefix_hits_total", "specdec_prefix_reused_tokens_total"
+SYSTEM = (
+    "You are the archivist of a small museum of woodworking tools in a mountain village. "
+    "Visitors ask short questions about the tools on display: planes, chisels, saws, "
+    "drawknives, spokeshaves, augers and mallets. Answer in one or two plain sentences, "
+    "say what the tool is for and how it was held, and do not invent dates or names that "
+    "the labels in the museum do not give.\n\n"
+)
+QUESTIONS = ("a block plane", "a drawknife", "a spokeshave", "an auger")
+
+
+def ask(server, prompt: str, max_tokens: int = 16):
+    result = generate(
+        prompt,
+        url=server.url,
+        model="speculative_decoding",
+        max_tokens=max_tokens,
+        exclude_input_in_output=True,
+        return_perf_metrics=True,
+    )
+    assert result.error is None, result.error
+    return result
+
+
+def question(thing: str) -> str:
+    return f"Question: what is {thing} for?\nAnswer:"
+
+
+def test_a_next_turn_starts_from_the_first_and_gives_the_reference_text(server, hf_target):
+    first_prompt = SYSTEM + question("a froe")
+    first = ask(server, first_prompt)
+    before = scrape(server.metrics_url)
+    second_prompt = first_prompt + first.text + "\n" + question("a bench hook")
+    second = ask(server, second_prompt)
+    after = scrape(server.metrics_url)
+    assert second.metrics["kv_cache_reused_blocks"] >= MIN_TOKENS
+    assert after[HITS] - before[HITS] == 1
+    assert after[REUSED] - before[REUSED] == second.metrics["kv_cache_reused_blocks"]
+    assert second.text == hf_greedy_text(hf_target, second_prompt, 16)
+
+
+def test_concurrent_questions_after_one_system_text_each_give_the_reference_text(server, hf_target):
+    ask(server, SYSTEM + question("a marking gauge"))  # leaves the system text cached
+    prompts = [SYSTEM + question(thing) for thing in QUESTIONS]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: ask(server, p), prompts))
+    for prompt, result in zip(prompts, results, strict=True):
+        # Each adopted the cached slot or copied from the request that did (running).
+        assert result.metrics["kv_cache_reused_blocks"] >= MIN_TOKENS
+        assert result.text == hf_greedy_text(hf_target, prompt, 16)
