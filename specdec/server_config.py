@@ -14,10 +14,12 @@ sequence gathers between responses, for requests that send no stream_interval),
 CALIBRATION_SECONDS (5: the start-up cost measurement's budget, 0 = off;
 specdec/loop/calibration.py), PREFIX_CACHE (on or off: prompts start from cached or running
 sequences' caches; specdec/loop/prefix_cache.py), PREFIX_MIN_TOKENS (64: the shortest prefix
-reused), RUN_DIR (.run). STREAM_INTERVAL, RESPONSE_THREAD, CUDA_GRAPHS, CALIBRATION_SECONDS and
-the PREFIX_ settings are checked here, before the server starts (specdec/serving/settings.py). The
-repository in model_repository/ is rendered into RUN_DIR with these values, so the committed
-configs stay usable as they are (docker compose mounts them).
+reused), PREFILL_CHUNK (256: a longer prompt joins in chunks of this many tokens per step; 0 =
+off), RUN_DIR (.run). STREAM_INTERVAL, RESPONSE_THREAD, CUDA_GRAPHS, CALIBRATION_SECONDS, the
+PREFIX_ settings and PREFILL_CHUNK are checked here, before the server starts
+(specdec/serving/settings.py). The repository in model_repository/ is rendered into RUN_DIR
+with these values, so the committed configs stay usable as they are (docker compose mounts
+them).
 
 Access (docs/operations.md, Security; checked before the server starts as well):
 TRITON_INFERENCE_KEY (Triton's inference, metadata, model-config and statistics APIs answer
@@ -68,6 +70,7 @@ ENV_PARAMETERS = {
     "CALIBRATION_SECONDS": ("calibration_seconds", BLS_MODELS),  # 0: no start-up measurement
     "PREFIX_CACHE": ("prefix_cache", BLS_MODELS),  # on, off
     "PREFIX_MIN_TOKENS": ("prefix_min_tokens", BLS_MODELS),
+    "PREFILL_CHUNK": ("prefill_chunk", BLS_MODELS),  # 0: prompts prefill whole
 }
 # Triton's restricted API groups (a group may appear in one restriction only). The inference
 # key locks what a client of the models calls: inference, the metadata and config our OpenAI

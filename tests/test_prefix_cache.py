@@ -213,3 +213,52 @@ def test_prefix_settings_reach_the_loops_config():
     assert (bls["prefix_cache"], bls["prefix_min_tokens"]) == ("off", "32")
     assert parse_prefix_cache("x", "on") and not parse_prefix_cache("x", "off")
     assert parse_prefix_min_tokens("x", " 48 ") == 48
+
+
+# -- long prompts join in chunks ----------------------------------------------------------
+def chunked_scheduler(num_slots=4, k=2, chunk: int | None = 8):
+    engines = FakeEngines(num_slots)
+    config = SchedulerConfig(
+        num_slots, 512, max_draft_tokens=8, default_draft_tokens=k, prefill_chunk=chunk
+    )
+    return SpeculativeScheduler(engines, config, fake_decode), engines
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_long_prompt_joins_in_chunks_while_the_running_rows_go_on(k):
+    scheduler, engines = chunked_scheduler(k=k)
+    runner = scheduler.submit(request([2, 4], 40))
+    scheduler.step()
+    long_prompt = [(7 * i + 3) % 50 for i in range(30)]
+    joiner = scheduler.submit(request(long_prompt, 6))
+    for _ in range(3):  # 30 tokens: chunks of 8, 8, 8 (one budget per step), then 6 whole
+        before = runner.num_output_tokens
+        scheduler.step()
+        assert runner.num_output_tokens > before  # the running row emitted in every step
+        assert joiner.num_output_tokens == 0
+    assert engines.input_lengths[-1] == ("target", [1 + k, 8])
+    assert joiner.target_cache_length == 24
+    scheduler.step()
+    assert joiner.num_output_tokens >= 1
+    run_all(scheduler)
+    assert joiner.token_ids[30:] == oracle_continuation(long_prompt, 6)
+    assert runner.token_ids[2:] == oracle_continuation([2, 4], 40)
+
+
+def test_prefill_chunks_share_one_budget_per_step():
+    scheduler, engines = chunked_scheduler(k=0)
+    prompts = [[(5 * i + j) % 50 for i in range(20)] for j in (1, 2)]
+    first, second = (scheduler.submit(request(p, 3)) for p in prompts)
+    scheduler.step()
+    # 8 tokens of budget: the first takes them all; the second sits the step out.
+    assert engines.input_lengths[-1] == ("target", [8])
+    run_all(scheduler)
+    for sequence, prompt in zip((first, second), prompts, strict=True):
+        assert sequence.token_ids[20:] == oracle_continuation(prompt, 3)
+
+
+def test_without_chunks_a_long_prompt_prefills_in_its_first_step():
+    scheduler, engines = chunked_scheduler(k=0, chunk=None)
+    scheduler.submit(request(list(range(30)), 2))
+    scheduler.step()
+    assert engines.input_lengths[-1] == ("target", [30])

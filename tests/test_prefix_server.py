@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import hf_greedy_text
-from live import scrape
+from live import scrape, start_bystander
 from specdec.client import generate
 
 pytestmark = pytest.mark.server
@@ -66,3 +66,18 @@ def test_concurrent_questions_after_one_system_text_each_give_the_reference_text
         # Each adopted the cached slot or copied from the request that did (running).
         assert result.metrics["kv_cache_reused_blocks"] >= MIN_TOKENS
         assert result.text == hf_greedy_text(hf_target, prompt, 16)
+
+
+def test_a_long_prompt_joins_in_chunks_and_both_texts_stay_exact(server, hf_target):
+    """A prompt of about 600 tokens (over the committed prefill_chunk, 256) joins beside a
+    running stream: it prefills in chunks between that stream's steps."""
+    bystander_prompt = "Write a short story about a lighthouse keeper and a storm."
+    bystander = start_bystander(server.url, bystander_prompt, 48)
+    long_prompt = " ".join(f"Shelf {i} holds a plane, a chisel and a saw." for i in range(50))
+    long_prompt += "\nQuestion: which shelf comes after shelf 49?\nAnswer:"
+    result = ask(server, long_prompt)
+    assert result.metrics["kv_cache_alloc_total_blocks"] > 512
+    assert result.text == hf_greedy_text(hf_target, long_prompt, 16)
+    alone = bystander.result(timeout=300)
+    assert alone.error is None
+    assert alone.text == hf_greedy_text(hf_target, bystander_prompt, 48)

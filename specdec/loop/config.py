@@ -8,6 +8,9 @@ from specdec.loop.prefix_cache import DEFAULT_PREFIX_MIN_TOKENS
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.proposers.ngram import DEFAULT_MATCH_LENGTHS
 
+# Prompt tokens prefilled per step beyond the rows that run whole (docs/benchmarks.md).
+DEFAULT_PREFILL_CHUNK = 256
+
 
 @dataclass
 class SchedulerConfig:
@@ -21,3 +24,6 @@ class SchedulerConfig:
     # Prompts that start with at least this many tokens of a cached or running sequence's
     # start from them (specdec/loop/prefix_cache.py); None: no reuse across requests.
     prefix_min_tokens: int | None = DEFAULT_PREFIX_MIN_TOKENS
+    # A prompt with more than this many tokens left to prefill joins in chunks of at most
+    # this many per step (all chunks of a step together); None: every prompt prefills whole.
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK

@@ -195,21 +195,26 @@ class SpeculativeScheduler:
             self._forget(cancelled)
             self._timed_step = None
         admitted = self.admission.admit()
-        batch = [s for s in self.admission.running if self.admission.ready(s)]
-        if not batch:
+        ready = [s for s in self.admission.running if self.admission.ready(s)]
+        batch, chunks = self._split_prefills(ready)
+        if not batch and not chunks:
             return []
+        admitted += len(chunks)  # a step with prefill chunks is no steady step either
         step_start = time.perf_counter()
         self._close_timed_step(step_start)
         plan = self.last_plan = self.policy.plan(batch)
         calls_a_model = self.policy.calls_a_model(plan)
-        target_copies, draft_copies = self.admission.plan_copies(batch, calls_a_model)
+        chunk_rows = [s for s, _ in chunks]
+        target_copies, draft_copies = self.admission.plan_copies(batch + chunk_rows, calls_a_model)
         draft_start = time.perf_counter()
         proposals = self._propose(batch, plan, draft_copies)
         draft_seconds = time.perf_counter() - draft_start
-        target_batch = self._target_batch(batch, plan, proposals, target_copies)
+        target_batch = self._target_batch(batch, plan, proposals, target_copies, chunks)
         start = time.perf_counter()
         result = self.engines.target(target_batch)
         target_seconds = time.perf_counter() - start
+        for sequence, num_tokens in chunks:  # their prompts' positions, written; no output
+            sequence.target_cache_length += num_tokens
         if not admitted:  # a prefill is not what a decode step costs
             self.target_cost.observe(len(target_batch.input_ids), target_seconds)
         num_draft_calls, draft_bytes, target_bytes = self.engines.take_counts()
@@ -265,24 +270,54 @@ class SpeculativeScheduler:
                 proposals[sequence.id] = proposal
         return proposals
 
+    def _split_prefills(
+        self, rows: list[SequenceState]
+    ) -> tuple[list[SequenceState], list[tuple[SequenceState, int]]]:
+        """(the step's batch, its prefill chunks). A row with more than prefill_chunk prompt
+        tokens still to prefill feeds only a chunk of them this step and emits nothing, so a
+        long prompt shares iterations with the running rows instead of stalling them. The
+        chunks share one budget of prefill_chunk tokens per step, first come first served; a
+        row left without budget sits the step out. A row with prefill_chunk or fewer left
+        runs whole: it prefills the rest and emits its first token."""
+        chunk = self.config.prefill_chunk
+        if chunk is None:
+            return rows, []
+        batch, chunks, budget = [], [], chunk
+        for sequence in rows:
+            copying = sequence.copy_source_slot >= 0 and sequence.copy_from is not None
+            cached = sequence.copy_length if copying else sequence.target_cache_length
+            left = len(sequence.token_ids) - cached
+            if left <= chunk:
+                batch.append(sequence)
+                continue
+            num_tokens = min(budget, left - 1)
+            if num_tokens > 0:
+                chunks.append((sequence, num_tokens))
+                budget -= num_tokens
+        return batch, chunks
+
     def _target_batch(
         self,
         batch: list[SequenceState],
         plan: StepPlan,
         proposals: dict[int, Proposal],
         copies: list[CacheCopy],
+        chunks: list[tuple[SequenceState, int]] = [],  # noqa: B006 - read only
     ) -> EngineBatch:
+        """The batch's rows, then the prefill chunks' (whose one output is not read)."""
+        rows = batch + [s for s, _ in chunks]
         target_batch = engine_batch(
-            batch,
+            rows,
             pending=[
                 s.token_ids[s.target_cache_length :] + proposals.get(s.id, NO_PROPOSAL).token_ids
                 for s in batch
-            ],
-            cache_lengths=[s.target_cache_length for s in batch],
-            num_steps=[k + 1 for k in plan.ks],
+            ]
+            + [s.token_ids[s.target_cache_length : s.target_cache_length + n] for s, n in chunks],
+            cache_lengths=[s.target_cache_length for s in rows],
+            num_steps=[k + 1 for k in plan.ks] + [1] * len(chunks),
             copies=copies,
         )
-        wanted = [s.request.return_log_probs for s in batch]
+        wanted = [s.request.return_log_probs for s in rows]
         if any(wanted):
             target_batch.return_log_probs = np.array(wanted, dtype=np.bool_)
         return target_batch

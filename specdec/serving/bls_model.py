@@ -31,7 +31,7 @@ import triton_python_backend_utils as pb_utils
 
 from specdec.engines.wire import EngineBatch, EngineResult
 from specdec.loop.admission import QueueFull
-from specdec.loop.config import SchedulerConfig
+from specdec.loop.config import DEFAULT_PREFILL_CHUNK, SchedulerConfig
 from specdec.loop.prefix_cache import DEFAULT_PREFIX_MIN_TOKENS
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.scheduler import SpeculativeScheduler
@@ -44,6 +44,7 @@ from specdec.serving.responses import StreamHold, response_arrays
 from specdec.serving.settings import (
     decide_response_thread,
     parse_calibration_seconds,
+    parse_prefill_chunk,
     parse_prefix_cache,
     parse_prefix_min_tokens,
     parse_response_thread,
@@ -188,6 +189,10 @@ class TritonPythonModel:
             max_queue=int(params.get("max_queue", 1024)),
             proposers=parse_proposers(params.get("proposers", ",".join(PROPOSERS))),
             prefix_min_tokens=prefix_min_tokens,
+            prefill_chunk=parse_prefill_chunk(
+                "prefill_chunk (PREFILL_CHUNK)",
+                params.get("prefill_chunk", str(DEFAULT_PREFILL_CHUNK)),
+            ),
         )
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)

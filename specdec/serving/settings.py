@@ -74,6 +74,18 @@ def parse_prefix_min_tokens(name: str, value: str) -> int:
     return tokens
 
 
+def parse_prefill_chunk(name: str, value: str) -> int | None:
+    """Prompt tokens prefilled per step for prompts that join in chunks; 0: none do (every
+    prompt prefills whole in its first step)."""
+    try:
+        tokens = int(value.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}") from None
+    if tokens < 0:
+        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+    return tokens or None
+
+
 def parse_response_thread(name: str, value: str) -> bool | None:
     """response_thread: true, false, or auto (None: decided by the usable cores)."""
     if value.strip().lower() == "auto":
@@ -168,6 +180,7 @@ ENV_CHECKS = {
     "CALIBRATION_SECONDS": parse_calibration_seconds,
     "PREFIX_CACHE": parse_prefix_cache,
     "PREFIX_MIN_TOKENS": parse_prefix_min_tokens,
+    "PREFILL_CHUNK": parse_prefill_chunk,
     "TRITON_INFERENCE_KEY": parse_header_key,
     "TRITON_ADMIN_KEY": parse_header_key,
     "GRPC_SSL_CERT": parse_certificate_file,
