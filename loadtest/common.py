@@ -1,6 +1,6 @@
-"""What the load tests and benchmarks share: the modes, the workloads and their prompts, the
-order of the modes' windows, the server's loop counters, --server-env, percentiles and the
-look of the plots.
+"""What the load tests and benchmarks share: the modes, the workloads and their prompts (or
+conversations), the order of the modes' windows, the server's loop counters, --server-env,
+percentiles and the look of the plots.
 
 The scripts in loadtest/ run as files (`python loadtest/bench.py`), so Python puts this
 folder on sys.path and they import this module by its bare name.
@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.client import scrape_metrics
 from specdec.paths import PROJECT_ROOT
 from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS
+
+if TYPE_CHECKING:
+    from walks import Workload
+
+Message = dict[str, str]  # a chat message: {"role", "content"} (as walks.Message)
 
 # The modes: each name's request inputs. k0-again is k = 0 under a second name (the noise
 # floor); k0-float32 and k0-b are k = 0 on bench's second server (--float32-concurrency,
@@ -31,11 +38,21 @@ MODES: dict[str, dict] = {
     "k0-float32": {"num_draft_tokens": 0},
     "k0-b": {"num_draft_tokens": 0},
 }
+LOADTEST = PROJECT_ROOT / "loadtest"
+# The workloads of one request per prompt, by their prompt file ({"category", "prompt"} lines).
 WORKLOADS = {
-    "chat": PROJECT_ROOT / "loadtest" / "prompts.jsonl",
-    "grounded": PROJECT_ROOT / "loadtest" / "prompts_grounded.jsonl",
-    "rewrite": PROJECT_ROOT / "loadtest" / "prompts_rewrite.jsonl",
+    "chat": LOADTEST / "prompts.jsonl",
+    "grounded": LOADTEST / "prompts_grounded.jsonl",
+    "rewrite": LOADTEST / "prompts_rewrite.jsonl",
+    # one system text of about 1,000 tokens before each question (prefix reuse)
+    "shared-prefix": LOADTEST / "prompts_shared_prefix.jsonl",
 }
+# A prompt file's system message, where it has one (none: the chat template's default).
+SYSTEM_PROMPTS = {WORKLOADS["shared-prefix"]: LOADTEST / "shared_prefix_system.txt"}
+# The workloads of conversations ({"category", "turns"} lines): a request per user turn, which
+# resends the history with the answers the stream received (walks.ConversationWalk).
+CONVERSATIONS = {"multi-turn": LOADTEST / "conversations_multi_turn.jsonl"}
+WORKLOAD_NAMES = (*WORKLOADS, *CONVERSATIONS)
 
 
 def unknown_modes(modes: list[str]) -> list[str]:
@@ -82,12 +99,49 @@ def read_prompts(path: Path) -> list[str]:
     return [item["prompt"] for item in lines]
 
 
-def load_prompts(path: Path) -> list[str]:
-    """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines."""
-    from specdec.text.tokenizer import TextTokenizer
+def read_system(path: Path) -> str | None:
+    """The system message of a prompt file's requests; None: the template's default."""
+    system = SYSTEM_PROMPTS.get(path)
+    return None if system is None else system.read_text()
 
-    tokenizer = TextTokenizer(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
-    return [tokenizer.apply_chat_template(prompt) for prompt in read_prompts(path)]
+
+def prompt_messages(path: Path) -> list[list[Message]]:
+    """Each prompt of a prompt file as a request's chat messages: its system message (where
+    the file has one), then the prompt as the user's."""
+    system = read_system(path)
+    head = [] if system is None else [{"role": "system", "content": system}]
+    return [[*head, {"role": "user", "content": prompt}] for prompt in read_prompts(path)]
+
+
+def read_conversations(path: Path) -> list[list[str]]:
+    """The user turns of each conversation of a JSONL file of {"category", "turns"} lines."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [item["turns"] for item in lines]
+
+
+def read_workload(name: str) -> Workload:
+    """A workload of WORKLOAD_NAMES, as chat messages (unrendered)."""
+    from walks import Workload  # loadtest/ on sys.path: the scripts, the locustfile, tests
+
+    if name in CONVERSATIONS:
+        return Workload(name, conversations=read_conversations(CONVERSATIONS[name]))
+    return Workload(name, requests=prompt_messages(WORKLOADS[name]))
+
+
+def chat_template() -> Callable[[list[Message]], str]:
+    """The target model's chat template: messages to a prompt that opens the answer."""
+    from specdec.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(
+        str(PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    ).apply_chat_template
+
+
+def load_prompts(path: Path) -> list[str]:
+    """Chat-formatted prompts from a JSONL file of {"category", "prompt"} lines (with the
+    file's system message, if it has one)."""
+    render = chat_template()
+    return [render(messages) for messages in prompt_messages(path)]
 
 
 def mirrored_order(modes: list[str], index: int) -> list[str]:

@@ -1,0 +1,117 @@
+"""Which request a load stream sends next: a walk through a workload's prompts.
+
+A workload is either a list of requests, each a list of chat messages (chat, grounded,
+rewrite: one user message; shared-prefix: one system text, then a question), or a list of
+conversations (multi-turn: user turns). A walk hands out the messages of the next request
+and hears the answer the server gave, so that a conversation's next request resends the
+whole history with the answers this stream received:
+
+    turns ["Write a notice.", "Make it shorter."], answers "Notice: ..." and "Short: ..."
+    request 1: [user "Write a notice."]
+    request 2: [user "Write a notice.", assistant "Notice: ...", user "Make it shorter."]
+    request 3: the next conversation's first turn
+
+Rendered with the model's chat template, request t + 1 starts with request t's prompt and
+its answer, text for text: the server can reuse that sequence's cache (its prefix cache).
+No server, no tokenizer here: bench.py and the locustfile render the messages their way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
+
+
+class Walk(Protocol):
+    def next_request(self) -> list[Message]:
+        """The messages of the request to send now."""
+        ...
+
+    def answered(self, answer: str | None) -> None:
+        """What the server answered to the last request; None: it failed."""
+        ...
+
+
+def strided(start: int, step: int, count: int) -> Iterator[int]:
+    """start, start + step, start + 2 step, ... modulo count: stream `start` of `step`."""
+    return ((start + n * step) % count for n in itertools.count())
+
+
+def shuffled(rng: random.Random, count: int) -> Iterator[int]:
+    """Indices drawn at random, forever (Locust's users)."""
+    return (rng.randrange(count) for _ in itertools.count())
+
+
+@dataclass
+class ListWalk:
+    """One request after another, in `order`; answers change nothing."""
+
+    requests: list[list[Message]]
+    order: Iterator[int]
+
+    def next_request(self) -> list[Message]:
+        return self.requests[next(self.order)]
+
+    def answered(self, answer: str | None) -> None:
+        pass
+
+
+@dataclass
+class ConversationWalk:
+    """Conversations in `order`, each turn by turn: a request is the history so far (the
+    earlier user turns and the answers to them) and the next user turn. After the last turn,
+    or a failed request (no answer to keep), the next request opens the next conversation."""
+
+    conversations: list[list[str]]  # each: its user turns
+    order: Iterator[int]
+    history: list[Message] = field(default_factory=list)  # the conversation's so far
+    turns: list[str] = field(default_factory=list)  # the user turns still to come
+    sent: list[Message] | None = None  # the request awaiting its answer
+
+    def next_request(self) -> list[Message]:
+        if not self.turns:
+            self.history, self.turns = [], list(self.conversations[next(self.order)])
+        self.sent = [*self.history, {"role": "user", "content": self.turns.pop(0)}]
+        return self.sent
+
+    def answered(self, answer: str | None) -> None:
+        if self.sent is None:
+            raise RuntimeError("an answer without a request")
+        if answer is None:
+            self.turns = []  # abandon the conversation
+        else:
+            self.history = [*self.sent, {"role": "assistant", "content": answer}]
+        self.sent = None
+
+
+@dataclass
+class Workload:
+    """A workload's requests or conversations, and a walk per stream over them."""
+
+    name: str
+    requests: list[list[Message]] = field(default_factory=list)  # list workloads
+    conversations: list[list[str]] = field(default_factory=list)  # multi-turn
+
+    def walk(self, order: Callable[[int], Iterator[int]]) -> Walk:
+        """A fresh walk; `order(count)` gives the indices it takes."""
+        if self.conversations:
+            return ConversationWalk(self.conversations, order(len(self.conversations)))
+        return ListWalk(self.requests, order(len(self.requests)))
+
+    def stream_walk(self, index: int, concurrency: int) -> Walk:
+        """Stream `index` of `concurrency`'s walk: items index, index + concurrency, ..."""
+        return self.walk(lambda count: strided(index, concurrency, count))
+
+    def first_request(self) -> list[Message]:
+        return self.stream_walk(0, 1).next_request()
+
+
+def raw_text(messages: list[Message]) -> str:
+    """The messages' contents joined by blank lines, no chat template (--raw-prompts, the
+    OpenAI completions endpoint); a request still starts with the one before and its answer."""
+    return "\n\n".join(message["content"] for message in messages)
