@@ -5,7 +5,10 @@
 Workloads: `chat` (loadtest/prompts.jsonl), `grounded` (loadtest/prompts_grounded.jsonl:
 answers that copy or rework text given in the prompt) and `rewrite`
 (loadtest/prompts_rewrite.jsonl: answers that rework the text given rather than copy it:
-restyled, restructured, summarised, retold or shortened). Modes: k0 (no speculation), draft and
+restyled, restructured, summarised, retold or shortened), and for the server's prefix reuse
+`shared-prefix` (one system text of about 1,000 tokens, then a short question) and
+`multi-turn` (conversations of four user turns; each request resends the history with the
+answers this stream got in this mode: see StaggeredLoad). Modes: k0 (no speculation), draft and
 ngram (one proposer alone, k chosen by the server), adaptive (the server's choice of
 proposer and k per row), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
 Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy) and `-si<N>` (the
@@ -21,8 +24,9 @@ each on its own gRPC stream, send streamed greedy requests back to back, their e
 staggered as under real traffic (see StaggeredLoad). Output tokens/s is the server's
 emitted-token counter over the windows' steady part. Per level and mode it also records
 p50/p99 request latency, time to first token and inter-chunk latency, the acceptance rate,
-and from the server's counters iterations/s, ms per iteration by loop part and the bytes
-each engine call returned (n/a where the server does not count them). Writes
+the share of prompt tokens the server reused from another sequence's cache, and from the
+server's counters iterations/s, ms per iteration by loop part and the bytes each engine
+call returned (n/a where the server does not count them). Writes
 results/<name>.json, .csv and .png and prints tokens/s ratios against k = 0 and the parts.
 Without --url it starts its own server.
 
@@ -30,7 +34,9 @@ Then, if asked, k = 0 on a second server that differs in settings, against this 
 k = 0 at one concurrency, in rounds of mirrored windows (see SecondServer):
 `--float32-concurrency 32` (what `make bench` runs: the second server in float32), or
 `--env-b NAME=VALUE --b-concurrency 32 --b-rounds 2` for any setting (`--concurrency ''`
-to measure only that; `--url-b` to point it at a running server).
+to measure only that; `--url-b` to point it at a running server). That runs on the first
+workload; `--b-workloads each` runs it on each, with k0-again on this server beside
+(`make bench-prefix`: the prefix cache on against PREFIX_CACHE=off).
 
 With `--cold-start`, instead: k0, adaptive and k0-again each meet a burst of requests on a
 server started for them alone (loadtest/cold_start.py; `make bench-cold`).
@@ -39,7 +45,6 @@ server started for them alone (loadtest/cold_start.py; `make bench-cold`).
 from __future__ import annotations
 
 import argparse
-import collections
 import csv
 import itertools
 import json
@@ -49,22 +54,25 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from walks import Message, Walk, Workload
+
 import cold_start
 from common import (
     ENGINE_CALL_KINDS,
     MODES,
     TIMED_PARTS,
     VARIANT,
-    WORKLOADS,
+    WORKLOAD_NAMES,
+    chat_template,
     deltas,
     finish_axes,
-    load_prompts,
     mirrored_order,
     mode_inputs,
     parse_env,
     per_call,
     per_iteration,
     percentile,
+    read_workload,
     server_counters,
     unknown_variants,
 )
@@ -86,10 +94,13 @@ class SecondServer:
     concurrency: int
     rounds: int = 1
     mode: str = "k0-b"  # its k = 0's name in the outputs
-    workload: str = "env-b"  # what its levels' workload field says
+    workload: str = "env-b"  # what its levels' workload field says (see second_label)
     label: str = "this server against the --env-b one"  # the printed ratio's
     url: str | None = None  # a running server (with metrics_url); None: one of bench's own
     metrics_url: str | None = None
+    # False: on the run's first workload; True: on each, with k0-again on the first server
+    # (--b-workloads each: PREFIX_CACHE=off against on needs the prefix workloads)
+    each_workload: bool = False
 
 
 def float32_server(concurrency: int) -> SecondServer:
@@ -126,8 +137,8 @@ class BenchConfig:
                 f"--modes: unknown {', '.join(unknown)}; of {', '.join(MODES)}, each optionally "
                 "followed by -sampled and -si<N>"
             )
-        if [w for w in self.workloads if w not in WORKLOADS]:
-            raise ValueError(f"--workloads: of {', '.join(WORKLOADS)}")
+        if not self.workloads or [w for w in self.workloads if w not in WORKLOAD_NAMES]:
+            raise ValueError(f"--workloads: of {', '.join(WORKLOAD_NAMES)}")
         if not (self.modes and self.concurrency) and self.second is None:
             raise ValueError("nothing to measure: no modes or levels, and no second server")
         if self.second is not None and min(self.second.concurrency, self.second.rounds) < 1:
@@ -172,6 +183,9 @@ class LevelResult:
     draft_bytes_per_call: float | None = None
     target_calls_per_iteration: float | None = None
     target_bytes_per_call: float | None = None
+    # Of the requests' prompt tokens, those the server took from another sequence's cache
+    # (kv_cache_reused_blocks / num_input_tokens; 0 where the server reuses none).
+    reused_prompt_fraction: float = 0.0
 
 
 @dataclass
@@ -195,6 +209,32 @@ class MeasuredWindow:
     counters: dict[str, float] = field(default_factory=dict)  # server_counters' deltas
 
 
+class StreamPrompts:
+    """One stream's prompts: a walk of the workload per mode, each from its start, so that
+    every mode sends the same sequence however the windows cut it (a multi-turn walk keeps
+    the answers its own mode got)."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        index: int,
+        concurrency: int,
+        render: Callable[[list[Message]], str],
+    ):
+        self.workload, self.render = workload, render
+        self.index, self.concurrency = index, concurrency
+        self.walks: dict[str, Walk] = {}  # mode -> its walk
+
+    def next_prompt(self, mode: str) -> str:
+        if mode not in self.walks:
+            self.walks[mode] = self.workload.stream_walk(self.index, self.concurrency)
+        return self.render(self.walks[mode].next_request())
+
+    def answered(self, mode: str, answer: str | None) -> None:
+        """The answer to `mode`'s last prompt (None: the request failed)."""
+        self.walks[mode].answered(answer)
+
+
 class StaggeredLoad:
     """`concurrency` streams, each sending streamed greedy requests back to back in the mode
     of the current window, their ends staggered as under real traffic.
@@ -207,18 +247,26 @@ class StaggeredLoad:
     another mode's (they run on, at falling concurrency: their latencies are a little low).
     Staggered, because streams started at once open every window with a prefill of every
     prompt, which steady traffic never sees (the measurements: docs/benchmarks.md, the
-    method)."""
+    method).
+
+    Each stream walks the workload (walks.py) once per mode: a multi-turn stream keeps each
+    mode's conversation, and the answers its requests got in that mode, across that mode's
+    windows; a window's end does not end a conversation, the mode's next window goes on
+    with its next turn. A lead-in request is a turn like the others (its answer, shorter,
+    is kept)."""
 
     def __init__(
         self,
         url: str,
         concurrency: int,
-        prompts: list[str],
+        workload: Workload,
         config: BenchConfig,
         metrics_url: str | None = None,
+        render: Callable[[list[Message]], str] | None = None,  # default: the chat template
     ):
-        self.url, self.concurrency, self.prompts, self.config = url, concurrency, prompts, config
+        self.url, self.concurrency, self.workload, self.config = url, concurrency, workload, config
         self.metrics_url = metrics_url
+        self.render = render or chat_template()
         self.requests: list[Request] = []  # lead-ins left out
         self.windows: list[MeasuredWindow] = []
         self.mode: str | None = None  # None: between windows, no request leaves
@@ -240,10 +288,11 @@ class StaggeredLoad:
             self.first_token[index] = True
 
         # Each mode walks the same prompt sequence from its start (stream i: prompts i, i + c,
-        # i + 2c, ...), so that the modes are compared on the same prompts: a window holds few
-        # requests, and prompts differ a lot (what a shared count did: docs/benchmarks.md,
-        # "The modes did not see the same prompts").
-        sent: collections.Counter[str] = collections.Counter()  # mode -> requests sent in it
+        # i + 2c, ...; multi-turn: conversations i, i + c, ..., turn by turn), so that the modes
+        # are compared on the same prompts: a window holds few requests, and prompts differ a
+        # lot (what a shared count did: docs/benchmarks.md, "The modes did not see the same
+        # prompts").
+        prompts = StreamPrompts(self.workload, index, self.concurrency, self.render)
         with StreamingClient(self.url, self.config.model) as client:
             window_seen = -1
             while True:
@@ -262,19 +311,19 @@ class StaggeredLoad:
                         max_tokens = max(1, round(max_tokens * (index + 1) / self.concurrency))
                     else:
                         self.requests.append(request)
-                prompt = (index + sent[mode] * self.concurrency) % len(self.prompts)
-                sent[mode] += 1
                 request.result = client.generate(
-                    self.prompts[prompt],
+                    prompts.next_prompt(mode),
                     max_tokens=max_tokens,
                     stream=True,
                     **mode_inputs(mode),
                     return_perf_metrics=True,
+                    return_num_input_tokens=True,
                     return_num_output_tokens=True,
                     exclude_input_in_output=True,
                     on_chunk=on_chunk,
                 )
                 error = request.result.error
+                prompts.answered(mode, request.result.text if error is None else None)
                 if error is not None and not self.first_token[index]:
                     self.num_failed[index] += 1
                     if self.num_failed[index] >= MAX_FAILED:
@@ -345,6 +394,8 @@ def summarize(
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r.chunk_times)]
     latencies = [r.elapsed for r in ok]
     ttfts = [r.time_to_first_token for r in ok if r.time_to_first_token is not None]
+    prompt_tokens = sum(r.metrics.get("num_input_tokens", 0) for r in ok)
+    reused_tokens = sum(r.metrics.get("kv_cache_reused_blocks", 0) for r in ok)
     totals = {
         name: sum(w.counters.get(name, 0.0) for w in windows)
         for name in ("tokens", "iterations", *TIMED_PARTS)
@@ -375,6 +426,7 @@ def summarize(
         temperature=inputs.get("temperature", 0.0),
         stream_interval=inputs.get("stream_interval", 1),
         **engine_calls(windows, totals["iterations"]),
+        reused_prompt_fraction=reused_tokens / prompt_tokens if prompt_tokens else 0.0,
     )
 
 
@@ -540,6 +592,8 @@ def run_level(
             f"{workload:<9} c={concurrency:<3} {mode:<9} {level.tokens_per_s:7.1f} tok/s "
             f"(windows {', '.join(f'{x:.1f}' for x in level.window_tokens_per_s)})  "
             f"p99 latency {_seconds(level.latency_p99_s)}  "
+            f"ttft p50/p99 {_seconds(level.ttft_p50_s)} /{_seconds(level.ttft_p99_s)}  "
+            f"reused prompt {level.reused_prompt_fraction:.0%}  "
             f"acceptance {level.acceptance_rate:.2f}  "
             f"drafted/token {level.draft_tokens_per_output_token:.2f}  "
             f"errors {level.num_errors}  "
@@ -560,30 +614,54 @@ def run_level(
 def run_modes(config: BenchConfig, url: str) -> list[LevelResult]:
     """The modes at every level of every workload, on the first server."""
     levels: list[LevelResult] = []
-    for workload in config.workloads:
-        prompts = load_prompts(WORKLOADS[workload])
-        generate(prompts[0], url, config.model, max_tokens=8)  # warm-up
+    render = chat_template()
+    for name in config.workloads:
+        workload = read_workload(name)
+        generate(render(workload.first_request()), url, config.model, max_tokens=8)  # warm-up
         for i, concurrency in enumerate(config.concurrency):
-            load = StaggeredLoad(url, concurrency, prompts, config, config.metrics_url)
+            load = StaggeredLoad(url, concurrency, workload, config, config.metrics_url, render)
             loads = {mode: load for mode in config.modes}
-            levels += run_level(workload, concurrency, config.modes, i, loads, config)
+            levels += run_level(name, concurrency, config.modes, i, loads, config)
     return levels
 
 
 def run_second(
     config: BenchConfig, second: SecondServer, url: str, url_b: str, metrics_url_b: str | None
 ) -> list[LevelResult]:
-    """k = 0 on the first server against k = 0 on the second, on the first workload."""
-    prompts = load_prompts(WORKLOADS[config.workloads[0]])
-    for warm in (url, url_b):
-        generate(prompts[0], warm, config.model, max_tokens=8)
+    """k = 0 on the first server against k = 0 on the second: on the first workload, or with
+    `second.each_workload` on each (and k0-again on the first server: each one's noise
+    floor)."""
+    render = chat_template()
+    names = config.workloads if second.each_workload else config.workloads[:1]
     c = second.concurrency
-    loads = {
-        "k0": StaggeredLoad(url, c, prompts, config, config.metrics_url),
-        second.mode: StaggeredLoad(url_b, c, prompts, config, metrics_url_b),
-    }
-    modes = ["k0", second.mode]
-    return run_level(second.workload, c, modes, 0, loads, config, second.rounds)
+    levels = []
+    for i, name in enumerate(names):
+        workload = read_workload(name)
+        for warm in (url, url_b):
+            generate(render(workload.first_request()), warm, config.model, max_tokens=8)
+        load = StaggeredLoad(url, c, workload, config, config.metrics_url, render)
+        loads = {
+            "k0": load,
+            second.mode: StaggeredLoad(url_b, c, workload, config, metrics_url_b, render),
+        }
+        if second.each_workload:
+            loads["k0-again"] = load
+        label = second_label(second, name)
+        levels += run_level(label, c, list(loads), i, loads, config, second.rounds)
+    return levels
+
+
+def second_label(second: SecondServer, workload: str) -> str:
+    """The workload field of the second server's levels: second.workload alone, or with
+    each_workload `<second.workload>:<workload>` (apart from the modes' levels)."""
+    return f"{second.workload}:{workload}" if second.each_workload else second.workload
+
+
+def is_second(level: LevelResult, second: SecondServer | None) -> bool:
+    """Whether `level` is one of the second server's comparison."""
+    if second is None:
+        return False
+    return level.workload == second.workload or level.workload.startswith(f"{second.workload}:")
 
 
 def run(config: BenchConfig) -> list[LevelResult]:
@@ -626,6 +704,7 @@ def run(config: BenchConfig) -> list[LevelResult]:
             "concurrency": second.concurrency,
             "rounds": second.rounds,
             "url": second.url,  # None: one of bench's own
+            "each_workload": second.each_workload,
         }
     base = write_outputs(levels, config, meta)
     report(levels, config, meta)
@@ -636,17 +715,27 @@ def run(config: BenchConfig) -> list[LevelResult]:
 def report(levels: list[LevelResult], config: BenchConfig, meta: dict) -> None:
     """The ratio table, the noise floor and the second server's ratio, printed."""
     second = config.second
-    by_modes = [r for r in levels if second is None or r.workload != second.workload]
+    by_modes = [r for r in levels if not is_second(r, second)]
     if by_modes:
         print(ratio_table(by_modes, config.modes))
         print(f"noise floor (lowest k0-again / k0 of the run): {meta['noise_floor']}")
     print(parts_table(levels))
-    if second is not None:
-        rates = {r.mode: r.tokens_per_s for r in levels if r.workload == second.workload}
-        a, b = rates["k0"], rates[second.mode]
+    if second is None:
+        return
+    by_label: dict[str, dict[str, LevelResult]] = {}
+    for r in levels:
+        if is_second(r, second):
+            by_label.setdefault(r.workload, {})[r.mode] = r
+    for label, sides in by_label.items():
+        a, b = sides["k0"], sides[second.mode]
+        where = f" ({label})" if second.each_workload else ""
+        again = sides.get("k0-again")
+        floor = f"; k0-again / k0 {again.tokens_per_s / a.tokens_per_s:.2f}x" if again else ""
         print(
-            f"k = 0 at {second.concurrency} streams, {second.label}: "
-            f"{a / b:.2f}x ({a:.1f} / {b:.1f} tok/s)"
+            f"k = 0 at {second.concurrency} streams{where}, {second.label}: "
+            f"{a.tokens_per_s / b.tokens_per_s:.2f}x ({a.tokens_per_s:.1f} / "
+            f"{b.tokens_per_s:.1f} tok/s); ttft p50 {_seconds(a.ttft_p50_s)} /"
+            f"{_seconds(b.ttft_p50_s)}{floor}"
         )
 
 
@@ -658,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, of {', '.join(MODES)}; each optionally with -sampled "
         "(temperature 0.8) and -si<N> (stream_interval N), e.g. k4-sampled-si16",
     )
-    parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOAD_NAMES)}")
     parser.add_argument("--concurrency", default="1,4,16,64", help="'': no levels of the modes")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
@@ -679,6 +768,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--b-concurrency", type=int, default=32, help="the second server's")
     parser.add_argument(
         "--b-rounds", type=int, default=1, help="the second server's rounds of windows"
+    )
+    parser.add_argument(
+        "--b-workloads",
+        choices=("first", "each"),
+        default="first",
+        help="the second server on the first of --workloads, or on each (with k0-again on "
+        "the first server, each one's noise floor)",
     )
     parser.add_argument("--url-b", default=None, help="a running second server, gRPC host:port")
     parser.add_argument("--metrics-url-b", default=None, help="with --url-b")
@@ -750,6 +846,7 @@ def second_server(args: argparse.Namespace) -> SecondServer | None:
         label=f"this server against the one with {args.env_b or 'the same settings'}",
         url=args.url_b,
         metrics_url=args.metrics_url_b,
+        each_workload=args.b_workloads == "each",
     )
 
 

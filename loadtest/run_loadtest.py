@@ -2,7 +2,7 @@
 
     .venv/bin/python loadtest/run_loadtest.py [--modes k0,adaptive,k0-again]
         [--stages 1,4,16,64,128,256,512] [--window-seconds 20] [--max-tokens 64] [--smoke]
-        [--workload chat|grounded|rewrite]
+        [--workload chat|grounded|rewrite|shared-prefix|multi-turn]
 
 Starts a server of its own (or uses --url and --metrics-url) and one Locust run on it
 (loadtest/locustfile.py, GrpcUser) by a plan (loadtest/schedule.py): at each stage of users
@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import MODES, WORKLOADS, finish_axes, parse_env, unknown_modes
+from common import MODES, WORKLOAD_NAMES, finish_axes, parse_env, unknown_modes
 from schedule import STAGES, build_plan, segments_of, set_pure_intervals
 from schedule import summarize_segments as summarize
 from specdec.client import scrape_metrics, wait_until_idle
@@ -52,7 +52,7 @@ class LoadtestConfig:
     window_seconds: float = 20.0  # up to 16 users; longer beyond (schedule.window_seconds)
     max_tokens: int = 64
     model: str = "ensemble"  # or speculative_decoding: the BLS itself, which hears cancels
-    workload: str = "chat"  # the prompts Locust sends (loadtest/common.py WORKLOADS)
+    workload: str = "chat"  # the prompts Locust sends (loadtest/common.py WORKLOAD_NAMES)
     server_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -316,7 +316,7 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default="ensemble", help="or speculative_decoding")
-    parser.add_argument("--workload", default="chat", choices=sorted(WORKLOADS))
+    parser.add_argument("--workload", default="chat", choices=sorted(WORKLOAD_NAMES))
     parser.add_argument("--smoke", action="store_true", help="CI: 1 and 2 users, 3 s windows")
     parser.add_argument("--out-dir", type=Path, default=LoadtestConfig.out_dir)
     parser.add_argument("--server-env", default="", help="own server, e.g. NUM_SLOTS=32")
