@@ -10,9 +10,13 @@ OpenAI-compatible HTTP API (server-sent events).
 shares a few gRPC channels (loadtest/grpc_streams.py: one channel per user starved gevent's
 thread pool past ~10 users, and responses reached the users minutes late). `OpenAIUser`
 streams /v1/chat/completions (or /v1/completions with --openai-completions) with Locust's
-FastHttpUser. Users send the prompts of a workload (common.WORKLOADS) one after another:
-`--workload chat` (the default, loadtest/prompts.jsonl), `grounded` (answers that copy or
-rework text given in the prompt) or `rewrite` (answers that rework it rather than copy it).
+FastHttpUser. Users send the prompts of a workload (common.WORKLOAD_NAMES) one after another,
+each picked at random: `--workload chat` (the default, loadtest/prompts.jsonl), `grounded`
+(answers that copy or rework text given in the prompt), `rewrite` (answers that rework it
+rather than copy it), `shared-prefix` (one system text of about 1,000 tokens, then a
+question about it) or `multi-turn` (a conversation of four user turns: each request resends
+the history with the answers this user received; a user keeps its conversation across its
+tasks and, after the last turn or a failed request, opens another at random).
 Per request they report, as Locust entries:
 - `generate`: whole-request latency, response length = output tokens (a failure if the
   server answered with an error);
@@ -51,16 +55,17 @@ from locust import FastHttpUser, LoadTestShape, User, between, events, task
 grpc_gevent.init_gevent()  # before any gRPC channel exists
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODES, WORKLOADS, read_prompts  # noqa: E402
+from walks import Workload, raw_text, shuffled  # noqa: E402
+
+from common import MODES, WORKLOAD_NAMES, Message, read_workload  # noqa: E402
 from grpc_streams import StreamPool, StreamResult, is_overload  # noqa: E402
 from schedule import STAGES, PlannedWindow, build_plan, window_at  # noqa: E402
 
-# ChatML as SmolLM2's template writes it (with its default system turn); --raw-prompts sends
-# the prompts as they are, for a model with another template. OpenAIUser sends messages.
-CHAT_FORMAT = (
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-)
+# ChatML as SmolLM2's template writes it, with its default system turn where the messages
+# bring none (tests/test_prefix_workloads.py holds it to the tokenizer's template);
+# --raw-prompts sends the messages' text without it (walks.raw_text), for a model with another
+# template. OpenAIUser sends the messages themselves.
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 SMOKE_USERS = [1, 2, 4]
 TAIL_SECONDS = 900.0  # --plan: the most the users go on after the last window
 # Each mode's request inputs: common.MODES, and the kN that --num-draft-tokens makes up.
@@ -88,7 +93,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-users", type=int, default=512, help="--ramp: the last stage")
     parser.add_argument("--raw-prompts", action="store_true", help="no chat format")
     parser.add_argument(
-        "--workload", default="chat", choices=sorted(WORKLOADS), help="the prompts to send"
+        "--workload", default="chat", choices=sorted(WORKLOAD_NAMES), help="the prompts to send"
     )
     parser.add_argument("--records", default="", help="append one JSON line per request here")
 
@@ -124,9 +129,17 @@ def bound_the_exit(exit_code: int, **_kwargs) -> None:
 
 
 @functools.cache
-def workload_prompts(workload: str) -> list[str]:
-    """The prompts of a --workload, as written (read once per process)."""
-    return read_prompts(WORKLOADS[workload])
+def workload_of(name: str) -> Workload:
+    """A --workload's requests or conversations (read once per process)."""
+    return read_workload(name)
+
+
+def chat_format(messages: list[Message]) -> str:
+    """The messages as SmolLM2's chat template writes them, the answer's turn opened."""
+    if messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return turns + "<|im_start|>assistant\n"
 
 
 def mode_of(num_draft_tokens: int) -> str:
@@ -193,7 +206,8 @@ class StreamingUser:
     def setup(self) -> None:
         self.options = self.environment.parsed_options
         self.rng = random.Random()
-        self.prompts = workload_prompts(self.options.workload)
+        # the user's requests: a walk of the workload, in random order, kept across its tasks
+        self.walk = workload_of(self.options.workload).walk(lambda count: shuffled(self.rng, count))
         self.current: tuple[dict, StreamResult] | None = None  # the request under way
 
     def next_request(self) -> dict:
@@ -303,8 +317,7 @@ class GrpcUser(StreamingUser, User):
         if host not in self.pools:
             self.pools[host] = StreamPool(host, self.options.model, self.options.grpc_channels)
         self.pool = self.pools[host]
-        template = "{prompt}" if self.options.raw_prompts else CHAT_FORMAT
-        self.prompts = [template.format(prompt=p) for p in self.prompts]
+        self.render = raw_text if self.options.raw_prompts else chat_format
 
     def on_stop(self) -> None:
         self.stopped()
@@ -324,11 +337,12 @@ class GrpcUser(StreamingUser, User):
             self.current = (record, result)
 
         result = self.pool.generate(
-            self.rng.choice(self.prompts),
+            self.render(self.walk.next_request()),
             timeout=self.options.stream_timeout,
             on_chunk=on_chunk,
             **params,
         )
+        self.walk.answered(result.text if result.error is None else None)
         self.finish(record, result)
 
 
@@ -366,10 +380,10 @@ class OpenAIUser(StreamingUser, FastHttpUser):
         for name in ("seed", "num_draft_tokens"):
             if name in params:
                 body[name] = params[name]
-        prompt = self.rng.choice(self.prompts)
+        messages = self.walk.next_request()
         if self.options.openai_completions:
-            return "/v1/completions", {**body, "prompt": prompt}
-        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+            return "/v1/completions", {**body, "prompt": raw_text(messages)}
+        return "/v1/chat/completions", {**body, "messages": messages}
 
     @task
     def generate(self) -> None:
@@ -390,6 +404,7 @@ class OpenAIUser(StreamingUser, FastHttpUser):
         except Exception as error:  # the connection broke
             result.error = result.error or f"{type(error).__name__}: {error}"
         result.done_ns = result.done_ns or time.time_ns()
+        self.walk.answered(result.text if result.error is None else None)
         self.finish(record, result)
 
 

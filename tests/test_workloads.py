@@ -1,6 +1,8 @@
 """The load tools' workloads (loadtest/common.WORKLOADS): every prompt file parses and is big
 enough, the rewrite set is what docs/benchmarks.md says it is and fits the model's context,
-no prompt is in two workloads, and the locustfile's --workload sends the workload named."""
+no prompt is in two workloads, and the locustfile's --workload sends the workload named
+(multi-turn's conversations too; the prefix workloads' own checks:
+tests/test_prefix_workloads.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ import pytest
 from specdec.paths import PROJECT_ROOT
 
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
-from common import WORKLOADS, load_prompts, read_prompts  # noqa: E402
+from common import (  # noqa: E402
+    CONVERSATIONS,
+    WORKLOAD_NAMES,
+    WORKLOADS,
+    load_prompts,
+    prompt_messages,
+    read_conversations,
+    read_prompts,
+)
 
 # docs/benchmarks.md: the rewrite workload's categories, eight prompts each.
 REWRITE_CATEGORIES = ("style", "simplify", "restructure", "summarise", "perspective", "shorten")
@@ -74,11 +84,13 @@ import locustfile
 parser = argparse.ArgumentParser()
 locustfile.add_arguments(parser)
 chosen = {}
-for argv in ([], *(["--workload", name] for name in sorted(locustfile.WORKLOADS))):
+for argv in ([], *(["--workload", name] for name in sorted(locustfile.WORKLOAD_NAMES))):
     options = parser.parse_args(argv)
     user = types.SimpleNamespace(environment=types.SimpleNamespace(parsed_options=options))
     locustfile.StreamingUser.setup(user)
-    chosen[options.workload if argv else "default"] = user.prompts
+    walk = user.walk
+    items = walk.conversations if hasattr(walk, "conversations") else walk.requests
+    chosen[options.workload if argv else "default"] = items
 try:
     parser.parse_args(["--workload", "nonesuch"])
     chosen["refused"] = False
@@ -99,7 +111,12 @@ def test_locustfile_workload_option_selects_the_workloads_prompts():
     assert result.returncode == 0, result.stderr[-2000:]
     chosen = json.loads(result.stdout.splitlines()[-1])
     assert chosen.pop("refused") is True
-    assert chosen.pop("default") == read_prompts(WORKLOADS["chat"])
-    assert set(chosen) == set(WORKLOADS)
-    for workload, prompts in chosen.items():
-        assert prompts == read_prompts(WORKLOADS[workload]), workload
+    assert chosen.pop("default") == prompt_messages(WORKLOADS["chat"])
+    assert set(chosen) == set(WORKLOAD_NAMES)
+    for workload, items in chosen.items():
+        if workload in CONVERSATIONS:
+            assert items == read_conversations(CONVERSATIONS[workload]), workload
+        else:
+            assert items == prompt_messages(WORKLOADS[workload]), workload
+            user_texts = [messages[-1]["content"] for messages in items]
+            assert user_texts == read_prompts(WORKLOADS[workload]), workload
