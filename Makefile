@@ -109,6 +109,20 @@ bench: models
 	$(PY) loadtest/bench.py --name bench-bfloat16 $(BENCH_ARGS) --server-env DTYPE=bfloat16 \
 		--float32-concurrency 32
 
+# Prefix reuse (issue 31): the workloads whose prompts share prefixes (shared-prefix: one
+# system text of about 1,000 tokens before each question; multi-turn: conversations resent
+# with their answers) beside chat and grounded; k = 0, adaptive and k = 0 again at 1 and 16
+# streams on one server; then, per workload, its k = 0 against a server of its own with
+# PREFIX_CACHE=off at 16 streams, two rounds, k = 0 again beside (each one's noise floor).
+# Tokens/s, time to first token p50/p99 and the prompt share reused:
+# results/bench-prefix.{json,csv,png} (about 70 minutes on an idle 2-core host).
+.PHONY: bench-prefix
+PREFIX_WORKLOADS ?= shared-prefix,multi-turn,chat,grounded
+bench-prefix: models
+	$(PY) loadtest/bench.py --name bench-prefix --workloads $(PREFIX_WORKLOADS) \
+		--modes k0,adaptive,k0-again --concurrency 1,16 --level-seconds 30 \
+		--env-b PREFIX_CACHE=off --b-concurrency 16 --b-rounds 2 --b-workloads each
+
 # A fresh server meets a burst (issue 30): per workload and round, k = 0, adaptive and k = 0
 # again each on a server started for it alone, 4 requests at 1 stream then 32 at 16 streams,
 # 64 tokens each; adaptive / k0 and k0-again / k0 by phase, in float32 and in bfloat16.
