@@ -53,6 +53,7 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "use_draft_logits": ("BOOL", np.bool_),
 }
 METRIC_OUTPUTS = (*PERF_OUTPUTS, "num_input_tokens", "num_output_tokens", "cum_log_probs")
+STREAM_ERROR_WAIT_S = 5.0  # for the reason a stream refused as it opened
 
 
 def build_inputs(prompt: str | bytes | list, **params) -> list[grpcclient.InferInput]:
@@ -151,12 +152,21 @@ class StreamingClient:
         sequence_index). An error ends the request: every result carries it."""
         results: dict[tuple[int, int], GenerationResult] = {}
         start = time.perf_counter()
-        self.client.async_stream_infer(
-            self.model,
-            build_inputs(prompt, **params),
-            outputs=requested_outputs(**params),
-            enable_empty_final_response=True,
-        )
+        try:
+            self.client.async_stream_infer(
+                self.model,
+                build_inputs(prompt, **params),
+                outputs=requested_outputs(**params),
+                enable_empty_final_response=True,
+            )
+        except InferenceServerException as ended:
+            # The stream ended as it opened (a locked Triton refused it: no key, TLS); the
+            # reason reaches the callback a moment later. Without one, this stream is spent.
+            try:
+                _, error = self.responses.get(timeout=STREAM_ERROR_WAIT_S)
+            except queue.Empty:
+                raise ended from None
+            return {(0, 0): GenerationResult(error=error or ended)}
         while True:
             response, error = self.responses.get(timeout=timeout)
             now = time.perf_counter() - start
