@@ -4,7 +4,10 @@
     python -m specdec.openai_api        # `make serve` starts it next to Triton
 
 Environment: OPENAI_HOST (127.0.0.1), OPENAI_PORT (9000), TRITON_HOST (127.0.0.1), GRPC_PORT
-(Triton's, 8001), OPENAI_MODEL_NAME (default: the target checkpoint's folder name).
+(Triton's, 8001), OPENAI_MODEL_NAME (default: the target checkpoint's folder name); API keys
+and the per-key limit as specdec/openai_auth.py reads them; Triton's inference key and TLS
+root certificate as specdec/triton_access.py reads them. A setting that cannot work stops
+the start with one line naming it, before any contact with Triton.
 
 Each request is one gRPC stream (tritonclient's asyncio API) to `speculative_decoding`
 itself, not the ensemble: an ensemble step never hears of a cancellation, the BLS does. A
@@ -22,7 +25,7 @@ import sys
 import time
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,8 +36,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.client import build_inputs, requested_outputs
+from specdec.openai_auth import (
+    MISSING_KEY_MESSAGE,
+    WRONG_KEY_MESSAGE,
+    ApiKeys,
+    InFlight,
+    SettingError,
+    bearer_token,
+    rate_limit_message,
+)
 from specdec.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ApiError,
@@ -51,6 +64,7 @@ from specdec.openai_protocol import (
 )
 from specdec.paths import PROJECT_ROOT
 from specdec.text.tokenizer import TextTokenizer, load_tokenizer
+from specdec.triton_access import AccessError, TritonAccess
 
 T = TypeVar("T")
 
@@ -62,15 +76,21 @@ class ApiConfig:
     triton_url: str = "127.0.0.1:8001"
     model_name: str | None = None  # None: the target checkpoint's folder name
     bls_model: str = "speculative_decoding"
+    keys: ApiKeys = field(default_factory=ApiKeys)  # no key: open
+    access: TritonAccess = field(default_factory=TritonAccess)  # how to reach a locked Triton
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ApiConfig:
+        """Raises SettingError or AccessError (naming the variable) for a setting that
+        cannot work."""
         env = dict(os.environ if env is None else env)
         return cls(
             host=env.get("OPENAI_HOST", "127.0.0.1"),
             port=int(env.get("OPENAI_PORT", 9000)),
             triton_url=f"{env.get('TRITON_HOST', '127.0.0.1')}:{env.get('GRPC_PORT', 8001)}",
             model_name=env.get("OPENAI_MODEL_NAME") or None,
+            keys=ApiKeys.from_env(env),
+            access=TritonAccess.from_env(env),
         )
 
 
@@ -79,6 +99,7 @@ class Backend:
 
     def __init__(self, config: ApiConfig) -> None:
         self.config = config
+        self.headers = config.access.headers  # on every call: Triton's inference key
         self.client: grpcaio.InferenceServerClient | None = None
         self.tokenizer: TextTokenizer | None = None
         self.model_name = ""
@@ -88,10 +109,13 @@ class Backend:
 
     async def start(self, poll_s: float = 1.0) -> None:
         """Waits for the BLS to be ready (Triton may still be loading), then reads its config."""
-        self.client = grpcaio.InferenceServerClient(self.config.triton_url)
+        access = self.config.access
+        self.client = grpcaio.InferenceServerClient(self.config.triton_url, **access.client_kwargs)
         while not await self.ready():
             await asyncio.sleep(poll_s)
-        response = await self.client.get_model_config(self.config.bls_model, as_json=True)
+        response = await self.client.get_model_config(
+            self.config.bls_model, as_json=True, headers=self.headers
+        )
         config = response["config"]
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.max_context = int(parameters["max_context"])
@@ -107,7 +131,7 @@ class Backend:
         if self.client is None:  # not started
             return False
         try:
-            return await self.client.is_model_ready(self.config.bls_model)
+            return await self.client.is_model_ready(self.config.bls_model, headers=self.headers)
         except Exception:  # not listening yet: InferenceServerException
             return False
 
@@ -150,7 +174,7 @@ class Generation:
         # The request iterator ends after one request (half-close); Triton still sends every
         # response, then ends the stream.
         assert backend.client is not None  # started by the app's lifespan
-        self.call = backend.client.stream_infer(one_request())
+        self.call = backend.client.stream_infer(one_request(), headers=backend.headers)
 
     async def results(self) -> AsyncGenerator[grpcaio.InferResult, None]:
         """The BLS's responses; an error ends them as an ApiError. Leaving early (a client
@@ -276,6 +300,42 @@ class _ClosingStream(StreamingResponse):
             await self._content.aclose()
 
 
+class KeyGate:
+    """ASGI middleware: with keys configured, every path but /health needs `Authorization:
+    Bearer <a configured key>` (else 401), and a key's requests in flight are bounded (beyond:
+    429). A refused request goes no further. The slot is taken before the app sees the request
+    and given back once its response has ended, whatever ended it (the whole body or the
+    last event sent, a client gone, an exception)."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+        self.in_flight = InFlight(keys.max_concurrent)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys.required or scope["path"] in self.OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        presented = bearer_token(dict(scope["headers"]).get(b"authorization"))
+        key = None if presented is None else self.keys.match(presented)
+        if key is None:
+            message = MISSING_KEY_MESSAGE if presented is None else WRONG_KEY_MESSAGE
+            error = ApiError(401, message, code="invalid_api_key")
+        elif self.in_flight.take(key):
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.in_flight.give(key)
+            return
+        else:
+            assert self.keys.max_concurrent is not None  # take() refuses only under a limit
+            message = rate_limit_message(self.keys.max_concurrent)
+            error = ApiError(429, message, kind="requests", code="rate_limit_exceeded")
+        await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+
+
 def create_app(config: ApiConfig) -> FastAPI:
     backend = Backend(config)
 
@@ -286,6 +346,7 @@ def create_app(config: ApiConfig) -> FastAPI:
         await backend.close()
 
     app = FastAPI(title="specdec OpenAI-compatible API", lifespan=lifespan)
+    app.add_middleware(KeyGate, keys=config.keys)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -339,6 +400,7 @@ def _model_card(backend: Backend) -> dict:
 
 def run(config: ApiConfig) -> None:
     print(f"openai_api on http://{config.host}:{config.port}/v1 (Triton {config.triton_url})")
+    print(f"openai_api: {config.keys.describe()}")
     sys.stdout.flush()
     # Streams still open at shutdown are cut after 5 s (which cancels their generations).
     uvicorn.run(
@@ -351,7 +413,11 @@ def run(config: ApiConfig) -> None:
 
 
 def main() -> None:
-    run(ApiConfig.from_env())
+    try:
+        config = ApiConfig.from_env()
+    except (SettingError, AccessError) as error:
+        sys.exit(f"openai_api: {error}")  # exit status 1, the one line on stderr
+    run(config)
 
 
 if __name__ == "__main__":
