@@ -7,6 +7,8 @@
 
 - `config.py`: haproxy.cfg for local replicas, Kubernetes pods and compose services; its
   docstring says why HAProxy and how it balances and checks;
+- `security.py`: client keys, a bound per key, Triton's key on what it forwards, TLS
+  (GATEWAY_KEYS_FILE, MAX_CONCURRENT_PER_KEY, GATEWAY_SSL_CERT; docs/scaling.md, Security);
 - `serve.py`: running it: HAProxy as a child process, the local replicas, `serve`;
 - `drain.py`: a replica's preStop;
 - `__main__.py`: the command line above.

@@ -17,6 +17,8 @@ checks that endpoint itself (Debian packages it: `apt-get install haproxy`).
 - Streams already on a replica that is taken out run on to their end; the streams of a
   replica that dies end with an error at the client (HAProxy resets them), and so may a
   request sent in the moment it dies (a stream cannot be sent twice).
+- With security settings (security.py: client keys, a bound per key, TLS) the frontends
+  check each request's key before it is balanced; compose and Kubernetes render none.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.gateway.security import KEY_TABLE, GatewaySecurity, key_rules
 from specdec.paths import PROJECT_ROOT
 
 STREAM_TIMEOUT = "1h"  # a queued stream may wait minutes for its first byte
@@ -53,6 +56,12 @@ class GatewayConfig:
     fall: int = 2  # failed checks that take a replica out
     rise: int = 2  # passed checks that put it back
     run_dir: Path = field(default_factory=lambda: PROJECT_ROOT / ".run" / "gateway")
+    security: GatewaySecurity = field(default_factory=GatewaySecurity)  # default: none
+
+    @property
+    def keys_path(self) -> Path:
+        """Where the gateway writes the client keys for HAProxy (owner-only)."""
+        return self.run_dir / "keys.lst"
 
 
 def haproxy_binary() -> str | None:
@@ -86,12 +95,15 @@ def _common(bind: str, config: GatewayConfig) -> list[str]:
         "    retries 2",  # connection failures only: a request a replica got is never resent
         "    option redispatch 1",  # every retry goes to another replica
         "",
-        "frontend grpc",  # gRPC = HTTP/2 without TLS (h2c); each stream balanced on its own
-        f"    bind {bind}:{config.grpc_port} proto h2",
+        "frontend grpc",  # gRPC = HTTP/2 (h2c, or TLS); each stream balanced on its own
+        f"    bind {bind}:{config.grpc_port} proto h2{_tls(config, 'h2')}",
+        *_indent(key_rules(config.security, config.keys_path, grpc=True)),
+        *_indent(_grpc_refusals_content_type(config.security)),
         "    default_backend triton_grpc",
         "",
         "frontend http",  # KServe v2 HTTP/REST (health, metadata, non-streamed infer)
-        f"    bind {bind}:{config.http_port}",
+        f"    bind {bind}:{config.http_port}{_tls(config, 'h2,http/1.1')}",
+        *_indent(key_rules(config.security, config.keys_path, grpc=False)),
         "    default_backend triton_http",
         "",
         "frontend stats",
@@ -104,6 +116,35 @@ def _common(bind: str, config: GatewayConfig) -> list[str]:
         "    stats refresh 5s",
         "",
     ]
+
+
+def _tls(config: GatewayConfig, alpn: str) -> str:
+    """A bind's TLS options: GATEWAY_SSL_CERT terminates TLS here (the checks need headers)."""
+    cert = config.security.ssl_cert
+    return f" ssl crt {cert} alpn {alpn}" if cert else ""
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return [f"    {line}" for line in lines]
+
+
+def _grpc_refusals_content_type(security: GatewaySecurity) -> list[str]:
+    """HAProxy drops a content type from a reply without a body; gRPC clients want one. Only
+    a trailers-only reply has grpc-status among its headers (the replicas' are alike)."""
+    if not security.keys:
+        return []
+    return [
+        "http-after-response set-header content-type application/grpc"
+        " if { res.fhdr_cnt(grpc-status) gt 0 }"
+    ]
+
+
+def _key_table(security: GatewaySecurity) -> list[str]:
+    """The stick table of keys in flight: SHA-256 of each key (no key in HAProxy's memory
+    dumps); its entries' reference counts are the requests tracking each key now."""
+    if not security.max_concurrent_per_key:
+        return []
+    return [f"backend {KEY_TABLE}", "    stick-table type binary len 32 size 100k", ""]
 
 
 def _backend(name: str, servers: list[str], check: GatewayConfig) -> list[str]:
@@ -123,13 +164,22 @@ def _backend(name: str, servers: list[str], check: GatewayConfig) -> list[str]:
 def render_config(config: GatewayConfig) -> str:
     """haproxy.cfg for fixed replicas (each checked on its own HTTP port)."""
     grpc = [
-        f"server {r.name} {r.host}:{r.grpc_port} proto h2 check port {r.http_port} check-proto h1"
+        f"server {r.name} {r.host}:{r.grpc_port} proto h2{_replica_tls(config)}"
+        f" check port {r.http_port} check-proto h1"
         for r in config.replicas
     ]
     http = [f"server {r.name} {r.host}:{r.http_port} check" for r in config.replicas]
     lines = _common(config.address, config)
     lines += _backend("triton_grpc", grpc, config) + _backend("triton_http", http, config)
+    lines += _key_table(config.security)
     return "\n".join(lines)
+
+
+def _replica_tls(config: GatewayConfig) -> str:
+    """Replicas that serve gRPC over TLS (GRPC_SSL_CERT): re-encrypted, their certificate
+    checked against the CA; their HTTP port (the check's) stays plain."""
+    ca = config.security.replica_ca
+    return f" ssl verify required ca-file {ca} alpn h2 no-check-ssl" if ca else ""
 
 
 # Kubernetes: the replicas are the pods behind a headless Service; HAProxy resolves its name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from specdec.gateway.config import (
     render_config,
     require_haproxy,
 )
+from specdec.gateway.security import GatewaySecurity, describe
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent, is_ready, port_open, terminate
 
@@ -35,12 +37,16 @@ class Gateway:
         self.config = config
         config.run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = config.run_dir / "haproxy.cfg"
+        if config.security.keys:
+            write_private(config.keys_path, "".join(f"{key}\n" for key in config.security.keys))
         self.config_path.write_text(render_config(config))
-        check_config(self.config_path)
+        env = {**os.environ, **config.security.haproxy_env()}  # Triton's key: not in the file
+        check_config(self.config_path, env)
         self.log_path = config.run_dir / "haproxy.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [require_haproxy(), "-db", "-f", str(self.config_path)],
+            env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             preexec_fn=end_with_parent,
@@ -85,6 +91,14 @@ class Gateway:
         self.stop()
 
 
+def write_private(path: Path, text: str) -> None:
+    """A file only its owner can read, whatever umask says (the client keys)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an older file keeps its mode through O_CREAT
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+
+
 def replica_ports(index: int, base: int) -> Replica:
     """Replica i of `make serve REPLICAS=N`: HTTP base + 10 i, gRPC + 1, metrics + 2."""
     port = base + 10 * index
@@ -118,6 +132,12 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     if haproxy_binary() is None:
         print("haproxy not found: apt-get install haproxy", file=sys.stderr)
         return 2
+    try:  # the gateway's settings (docs/scaling.md, Security), refused before anything starts
+        security = GatewaySecurity.from_env(env)
+        openai_env = _openai_env(env, security) if openai else env
+    except ValueError as error:
+        print(f"gateway: {error}", file=sys.stderr)
+        return 2
     run_dir = Path(env.get("RUN_DIR", PROJECT_ROOT / ".run"))
     base = int(env.get("REPLICA_BASE_PORT", 8100))
     replicas = [replica_ports(i, base) for i in range(num_replicas)]
@@ -127,11 +147,12 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
         http_port=int(env.get("HTTP_PORT", 8000)),
         stats_port=int(env.get("GATEWAY_STATS_PORT", 8404)),
         run_dir=run_dir / "gateway",
+        security=security,
     )
     processes = {r.name: start_replica(r, env, run_dir / r.name) for r in replicas}
     if openai:  # it reads GRPC_PORT and HTTP_PORT: the gateway's
         command = [sys.executable, "-m", "specdec.openai_api"]
-        subprocess.Popen(command, env=env, preexec_fn=end_with_parent)
+        subprocess.Popen(command, env=openai_env, preexec_fn=end_with_parent)
     stopping: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, _frame: stopping.append(signum))
@@ -152,12 +173,26 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     return 0
 
 
+def _openai_env(env: dict[str, str], security: GatewaySecurity) -> dict[str, str]:
+    """The OpenAI API calls the gateway as a client: TLS when the gateway serves it, trusting
+    GRPC_SSL_ROOT_CERT; with Triton's key, which the gateway accepts without a bound."""
+    if security.ssl_cert is None:
+        return {k: v for k, v in env.items() if k != "GRPC_SSL_ROOT_CERT"}
+    if not env.get("GRPC_SSL_ROOT_CERT"):
+        raise ValueError(
+            "GRPC_SSL_ROOT_CERT: not set, and GATEWAY_SSL_CERT is: the OpenAI API (--openai) "
+            "trusts the gateway's certificate through it"
+        )
+    return env
+
+
 def _print_layout(config: GatewayConfig, run_dir: Path) -> None:
     print(
         f"gateway (HAProxy) on {config.address}: gRPC {config.grpc_port}, HTTP "
         f"{config.http_port}, stats http://{config.address}:{config.stats_port}/stats",
         flush=True,
     )
+    print(f"  security: {describe(config.security)}", flush=True)
     for r in config.replicas:
         ready = "ready" if is_ready(r.http_port) else "starting"
         print(
