@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from specdec.client import GenerationResult, StreamingClient, build_inputs, scrape_metrics
 from specdec.gateway.config import GatewayConfig, Replica, haproxy_binary
 from specdec.gateway.security import GRPC_KEY_HEADER, GatewaySecurity
-from specdec.gateway.serve import Gateway, serve
+from specdec.gateway.serve import Gateway, openai_env, serve
 from specdec.harness import ManagedServer
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import free_port
@@ -208,6 +208,9 @@ def test_the_key_header_passes_through_to_a_locked_replica(locked, passthrough, 
         )
     assert metadata_status(passthrough.url, TRITON_KEY) == "OK"
     assert finished(locked) == before  # refused at Triton's door, never at the model
+    # HTTP: the header Triton reads there (inference-key) passes through as well.
+    assert http_status(passthrough, "/v2/models/ensemble", TRITON_KEY) == 200
+    assert http_status(passthrough, "/v2/models/ensemble", None) != 200
 
 
 @needs_haproxy
@@ -257,23 +260,26 @@ def test_unknown_keys_are_refused_and_known_ones_reach_triton_as_its_key(
     assert not any(key in output for key in (TRITON_KEY, *CLIENT_KEYS))
 
 
+def http_status(gateway: Gateway, path: str, key: str | None, ca: str | None = None) -> int:
+    """GET on the gateway's HTTP port (HTTPS when `ca` is given): the status code."""
+    scheme = "https" if ca else "http"
+    url = f"{scheme}://127.0.0.1:{gateway.config.http_port}{path}"
+    request = urllib.request.Request(url, headers={INFERENCE_KEY_HEADER: key} if key else {})
+    context = ssl.create_default_context(cafile=ca) if ca else None
+    try:
+        return urllib.request.urlopen(request, context=context, timeout=10).status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 @needs_haproxy
 @pytest.mark.server
 def test_http_needs_a_key_too_over_tls(secured, certificates):
-    context = ssl.create_default_context(cafile=certificates["ca"])
-
-    def get(path: str, key: str | None) -> int:
-        url = f"https://127.0.0.1:{secured.config.http_port}{path}"
-        request = urllib.request.Request(url, headers={INFERENCE_KEY_HEADER: key} if key else {})
-        try:
-            return urllib.request.urlopen(request, context=context, timeout=10).status
-        except urllib.error.HTTPError as error:
-            return error.code
-
-    assert get("/v2/health/ready", None) == 200
-    assert get("/v2/models/ensemble", None) == 401
-    assert get("/v2/models/ensemble", "not-a-client-key") == 401
-    assert get("/v2/models/ensemble", CLIENT_KEYS[1]) == 200  # Triton's key reached it
+    ca = certificates["ca"]
+    assert http_status(secured, "/v2/health/ready", None, ca) == 200
+    assert http_status(secured, "/v2/models/ensemble", None, ca) == 401
+    assert http_status(secured, "/v2/models/ensemble", "not-a-client-key", ca) == 401
+    assert http_status(secured, "/v2/models/ensemble", CLIENT_KEYS[1], ca) == 200  # Triton's
 
 
 class HeldStream:
@@ -324,6 +330,7 @@ def test_each_key_has_at_most_max_concurrent_streams(locked, secured, certificat
         other = attempt(secured.url, TritonAccess(inference_key=bob, root_cert=ca))  # goes on
         assert (other.error, other.text) == (None, reference)
         assert metadata_status(secured.url, TRITON_KEY, ca) == "OK"  # not bounded
+        assert http_status(secured, "/v2/models/ensemble", alice, ca) == 429  # one table
 
         held[1].cancel()  # cancelled: the bound comes back
         wait_for_status(lambda: metadata_status(secured.url, alice, ca), "OK")
@@ -401,3 +408,15 @@ def test_without_a_keys_file_the_gateway_checks_nothing():
     """Triton's key alone is for the replicas: the client's header passes through."""
     security = GatewaySecurity.from_env({"TRITON_INFERENCE_KEY": "ignored-without-keys"})
     assert security == GatewaySecurity() and security.haproxy_env() == {}
+
+
+def test_the_openai_api_that_serve_starts_calls_the_gateway_as_a_client(tmp_path):
+    """`serve --openai`: TLS to the gateway only when the gateway serves it."""
+    pem = tmp_path / "gateway.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n-----BEGIN PRIVATE KEY-----\n")
+    env = {"GRPC_SSL_ROOT_CERT": "/ca.pem", "TRITON_INFERENCE_KEY": "k"}
+    assert openai_env(env, GatewaySecurity()) == {"TRITON_INFERENCE_KEY": "k"}
+    tls = GatewaySecurity.from_env({"GATEWAY_SSL_CERT": str(pem)})
+    assert openai_env(env, tls) == env
+    with pytest.raises(ValueError, match="^GRPC_SSL_ROOT_CERT: "):
+        openai_env({"TRITON_INFERENCE_KEY": "k"}, tls)

@@ -134,7 +134,7 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
         return 2
     try:  # the gateway's settings (docs/scaling.md, Security), refused before anything starts
         security = GatewaySecurity.from_env(env)
-        openai_env = _openai_env(env, security) if openai else env
+        client_env = openai_env(env, security) if openai else env
     except ValueError as error:
         print(f"gateway: {error}", file=sys.stderr)
         return 2
@@ -152,7 +152,7 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     processes = {r.name: start_replica(r, env, run_dir / r.name) for r in replicas}
     if openai:  # it reads GRPC_PORT and HTTP_PORT: the gateway's
         command = [sys.executable, "-m", "specdec.openai_api"]
-        subprocess.Popen(command, env=openai_env, preexec_fn=end_with_parent)
+        subprocess.Popen(command, env=client_env, preexec_fn=end_with_parent)
     stopping: list[int] = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, _frame: stopping.append(signum))
@@ -173,7 +173,7 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     return 0
 
 
-def _openai_env(env: dict[str, str], security: GatewaySecurity) -> dict[str, str]:
+def openai_env(env: dict[str, str], security: GatewaySecurity) -> dict[str, str]:
     """The OpenAI API calls the gateway as a client: TLS when the gateway serves it, trusting
     GRPC_SSL_ROOT_CERT; with Triton's key, which the gateway accepts without a bound."""
     if security.ssl_cert is None:
