@@ -411,7 +411,8 @@ def test_without_a_keys_file_the_gateway_checks_nothing():
 
 
 def test_the_openai_api_that_serve_starts_calls_the_gateway_as_a_client(tmp_path):
-    """`serve --openai`: TLS to the gateway only when the gateway serves it."""
+    """`serve --openai`: TLS to the gateway only when the gateway serves it, and Triton's
+    key, which the gateway accepts, when it checks keys."""
     pem = tmp_path / "gateway.pem"
     pem.write_text("-----BEGIN CERTIFICATE-----\n-----BEGIN PRIVATE KEY-----\n")
     env = {"GRPC_SSL_ROOT_CERT": "/ca.pem", "TRITON_INFERENCE_KEY": "k"}
@@ -420,3 +421,7 @@ def test_the_openai_api_that_serve_starts_calls_the_gateway_as_a_client(tmp_path
     assert openai_env(env, tls) == env
     with pytest.raises(ValueError, match="^GRPC_SSL_ROOT_CERT: "):
         openai_env({"TRITON_INFERENCE_KEY": "k"}, tls)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("a-client-key\n")
+    with pytest.raises(ValueError, match="^TRITON_INFERENCE_KEY: "):  # the gateway refuses it
+        openai_env({}, GatewaySecurity.from_env({"GATEWAY_KEYS_FILE": str(keys)}))

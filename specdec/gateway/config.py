@@ -141,7 +141,8 @@ def _grpc_refusals_content_type(security: GatewaySecurity) -> list[str]:
 
 def _key_table(security: GatewaySecurity) -> list[str]:
     """The stick table of keys in flight: SHA-256 of each key (no key in HAProxy's memory
-    dumps); its entries' reference counts are the requests tracking each key now."""
+    dumps); its entries' reference counts are the requests tracking each key now. Only
+    listed keys are tracked, so it holds at most one entry per line of the keys file."""
     if not security.max_concurrent_per_key:
         return []
     return [f"backend {KEY_TABLE}", "    stick-table type binary len 32 size 100k", ""]

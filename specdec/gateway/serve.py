@@ -176,6 +176,11 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
 def openai_env(env: dict[str, str], security: GatewaySecurity) -> dict[str, str]:
     """The OpenAI API calls the gateway as a client: TLS when the gateway serves it, trusting
     GRPC_SSL_ROOT_CERT; with Triton's key, which the gateway accepts without a bound."""
+    if security.keys and not security.triton_key:
+        raise ValueError(
+            "TRITON_INFERENCE_KEY: not set, and GATEWAY_KEYS_FILE is: the OpenAI API "
+            "(--openai) calls the gateway with it"
+        )
     if security.ssl_cert is None:
         return {k: v for k, v in env.items() if k != "GRPC_SSL_ROOT_CERT"}
     if not env.get("GRPC_SSL_ROOT_CERT"):
