@@ -427,8 +427,14 @@ def test_one_request_in_flight_per_key(server, keyed_api):
     meanwhile; once A's stream is closed, A is served again."""
     client_a, client_b = client_for(keyed_api, KEY_A), client_for(keyed_api, KEY_B)
     # Long enough not to end by itself during the test; closing it cancels it in the BLS.
+    # 32 tokens a chunk: a response per token would slow B's request ~3x on 2 cores.
     held = client_a.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=500, temperature=0, stream=True
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=500,
+        temperature=0,
+        stream=True,
+        extra_body={"stream_interval": 32},
     )
     chunks = iter(held)
     next(chunks)
