@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   venv + models + the real Triton server on the speculative repository (CPU),
 #                and the OpenAI-compatible API beside it on OPENAI_PORT (docs/openai.md);
-#                REPLICAS=N: N servers behind an HAProxy gRPC gateway (docs/scaling.md)
+#                REPLICAS=N: N servers behind an HAProxy gRPC gateway (docs/scaling.md);
+#                TRITON_INFERENCE_KEY, GRPC_SSL_CERT/KEY lock it (docs/operations.md, Security)
 #   make test    the whole test suite (starts its own servers on free ports)
 PYTHON ?= python3
 VENV := .venv
