@@ -49,6 +49,7 @@ CLIENT_KEYS = ("alice-key-0123", "bob-key-4567")
 LIMIT = 2
 PROMPT = "<|im_start|>user\nName one use of copper.<|im_end|>\n<|im_start|>assistant\n"
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+METADATA = "/inference.GRPCInferenceService/ModelMetadata"
 
 
 def haproxy_version() -> tuple[int, ...]:
@@ -242,6 +243,13 @@ def test_unknown_keys_are_refused_and_known_ones_reach_triton_as_its_key(
             "StatusCode.UNAUTHENTICATED"
         )
     assert finished(locked) == before  # none reached the replica
+    # The header twice, another key and a listed one last: which counts? Neither; refused.
+    credentials = grpc.ssl_channel_credentials(Path(ca).read_bytes())
+    with grpc.secure_channel(secured.url, credentials) as channel:
+        metadata = [(GRPC_KEY_HEADER, "not-a-client-key"), (GRPC_KEY_HEADER, CLIENT_KEYS[0])]
+        with pytest.raises(grpc.RpcError) as twice:
+            channel.unary_unary(METADATA)(b"", metadata=metadata, timeout=10)
+    assert twice.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(InferenceServerException) as plain:  # no TLS: no gRPC
         grpcclient.InferenceServerClient(secured.url).is_server_ready()
     assert plain.value.status() == "StatusCode.UNAVAILABLE"
