@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from specdec.serving.responses import PERF_OUTPUTS
-from specdec.triton_access import TritonAccess
+from specdec.triton_access import SESSION_HEADER, TritonAccess
 
 INPUT_TYPES: dict[str, tuple[str, type]] = {
     "max_tokens": ("INT32", np.int32),
@@ -118,15 +118,19 @@ class StreamingClient:
         url: str = "127.0.0.1:8001",
         model: str = "ensemble",
         access: TritonAccess | None = None,  # default: from the environment
+        session_id: str | None = None,  # a gateway keeps a session's streams on one replica
     ) -> None:
         self.url = url
         self.model = model
         access = TritonAccess.from_env() if access is None else access
         self.client = grpcclient.InferenceServerClient(url, **access.client_kwargs)
         self.responses: queue.Queue = queue.Queue()
+        headers = dict(access.headers or {})
+        if session_id:
+            headers[SESSION_HEADER] = session_id
         self.client.start_stream(
             callback=lambda result, error: self.responses.put((result, error)),
-            headers=access.headers,
+            headers=headers or None,
         )
 
     def close(self) -> None:
@@ -212,10 +216,14 @@ def _indices(response) -> tuple[int, int]:
 
 
 def generate(
-    prompt: str | bytes, url: str = "127.0.0.1:8001", model: str = "ensemble", **params
+    prompt: str | bytes,
+    url: str = "127.0.0.1:8001",
+    model: str = "ensemble",
+    session_id: str | None = None,
+    **params,
 ) -> GenerationResult:
     """One request on a fresh stream."""
-    with StreamingClient(url, model) as client:
+    with StreamingClient(url, model, session_id=session_id) as client:
         return client.generate(prompt, **params)
 
 

@@ -64,7 +64,7 @@ from specdec.openai_protocol import (
 )
 from specdec.paths import PROJECT_ROOT
 from specdec.text.tokenizer import TextTokenizer, load_tokenizer
-from specdec.triton_access import AccessError, TritonAccess
+from specdec.triton_access import SESSION_HEADER, AccessError, TritonAccess
 
 T = TypeVar("T")
 
@@ -174,7 +174,12 @@ class Generation:
         # The request iterator ends after one request (half-close); Triton still sends every
         # response, then ends the stream.
         assert backend.client is not None  # started by the app's lifespan
-        self.call = backend.client.stream_infer(one_request(), headers=backend.headers)
+        # `user` keys a conversation: behind the gateway its requests go to one replica,
+        # whose KV cache holds their shared prefix (docs/scaling.md, Sessions).
+        headers = dict(backend.headers or {})
+        if body.user:
+            headers[SESSION_HEADER] = body.user
+        self.call = backend.client.stream_infer(one_request(), headers=headers or None)
 
     async def results(self) -> AsyncGenerator[grpcaio.InferResult, None]:
         """The BLS's responses; an error ends them as an ApiError. Leaving early (a client

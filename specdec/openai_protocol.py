@@ -71,7 +71,7 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, ge=0, lt=2**64)
     presence_penalty: float | None = None  # only 0: the BLS refuses others by name
     frequency_penalty: float | None = None
-    user: str | None = None  # accepted and not used
+    user: str | None = None  # the gateway keeps a user's requests on one replica
     num_draft_tokens: int | None = Field(None, ge=0)  # extension: 0 = no speculation
     stream_interval: int | None = Field(None, ge=1)  # extension: output tokens per chunk
 

@@ -19,6 +19,9 @@ from pathlib import Path
 
 INFERENCE_KEY_HEADER = "inference-key"  # the restriction's header name; HTTP sends it as is
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # gRPC: Triton expects this before the name
+# A conversation's key: the gateway sends the gRPC streams that carry it to one replica, whose
+# KV cache holds the conversation's prefix (specdec/gateway/config.py). Triton ignores it.
+SESSION_HEADER = "session-id"
 
 
 class AccessError(ValueError):

@@ -246,3 +246,43 @@ def test_a_killed_replica_ends_its_streams_the_other_serves_and_a_restart_rejoin
     gateway.wait_for_state("replica1", "UP", timeout=30)
     stream_all(gateway.url, PROMPTS[8:12], max_tokens=2)
     assert finished(restarted) >= 1
+
+
+def served_by(servers: list[ManagedServer], url: str, session_id: str) -> int:
+    """Which replica served one stream of the session (2 tokens)."""
+    before = [finished(s) for s in servers]
+    result = generate(
+        PROMPTS[0], url=url, model="ensemble", session_id=session_id, max_tokens=2, stream=True
+    )
+    assert result.error is None, result.error
+    served = [finished(s) - b for s, b in zip(servers, before, strict=True)]
+    assert sorted(served) == [0, 1], served
+    return served.index(1)
+
+
+def test_a_sessions_streams_stay_on_one_replica_and_move_only_while_it_is_gone(servers):
+    """The session-id header pins a conversation's streams (each a stream of its own, as the
+    OpenAI API sends them) to one replica, where its prefix is cached; when that replica
+    leaves the rotation they go to the other, and come back with it."""
+    health = ThreadingHTTPServer(("127.0.0.1", 0), type("Toggle", (Health,), {}))
+    threading.Thread(target=health.serve_forever, daemon=True).start()
+    b = replica("b", servers[1])
+    b.http_port = health.server_address[1]
+    gateway = new_gateway(servers, "test-gateway-sessions", [replica("a", servers[0]), b])
+    try:
+        homes = {}
+        for session in (f"conversation-{i}" for i in range(10)):
+            first = served_by(servers, gateway.url, session)
+            assert [served_by(servers, gateway.url, session) for _ in range(2)] == [first] * 2
+            homes[session] = first
+        assert set(homes.values()) == {0, 1}, homes  # the keys spread over both
+        on_b = next(s for s, home in homes.items() if home == 1)
+        health.RequestHandlerClass.status = 503
+        gateway.wait_for_state("b", "DOWN", timeout=10)
+        assert served_by(servers, gateway.url, on_b) == 0
+        health.RequestHandlerClass.status = 200
+        gateway.wait_for_state("b", "UP", timeout=10)
+        assert served_by(servers, gateway.url, on_b) == 1
+    finally:
+        gateway.stop()
+        health.shutdown()

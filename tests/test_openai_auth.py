@@ -26,7 +26,7 @@ from live import scrape, wait_for
 from specdec import openai_api, openai_auth
 from specdec.openai_auth import ApiKeys, InFlight, SettingError, bearer_token
 from specdec.processes import free_port
-from specdec.triton_access import TritonAccess
+from specdec.triton_access import SESSION_HEADER, TritonAccess
 
 KEY_A = "sk-test-a-7f3c9e21"  # OPENAI_API_KEYS
 KEY_B = "sk-test-b-0d4a6b58"  # OPENAI_API_KEYS_FILE
@@ -294,6 +294,23 @@ def test_triton_access_reaches_every_grpc_call(monkeypatch, tmp_path):
     expected = TritonAccess.from_env(env).headers
     assert expected and "triton-secret" in expected.values()
     assert [h for _, h in FakeTriton.headers if h != expected] == []
+
+
+def test_a_requests_user_goes_to_triton_as_its_session_key(monkeypatch):
+    """OpenAI's `user` field keys the conversation: the gateway keeps the streams that carry
+    it on one replica (specdec/gateway/config.py); without one, no session header."""
+    monkeypatch.setattr(openai_api.grpcaio, "InferenceServerClient", FakeTriton)
+    monkeypatch.setattr(openai_api, "load_tokenizer", lambda path: None)
+    FakeTriton.built, FakeTriton.headers = [], []
+    env = {"TRITON_INFERENCE_KEY": "triton-secret", "GRPC_PORT": "8123"}
+    app = openai_api.create_app(openai_api.ApiConfig.from_env(env))
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    with TestClient(app) as http:
+        assert http.post("/v1/completions", json={**body, "user": "conv-7"}).status_code == 200
+        assert http.post("/v1/completions", json=body).status_code == 200
+    sent = [h for name, h in FakeTriton.headers if name == "stream_infer"]
+    key = TritonAccess.from_env(env).headers
+    assert sent == [{**key, SESSION_HEADER: "conv-7"}, key]
 
 
 # -- start-up refusals (a subprocess; nothing listens on its GRPC_PORT) --------------------

@@ -17,6 +17,12 @@ checks that endpoint itself (Debian packages it: `apt-get install haproxy`).
 - Streams already on a replica that is taken out run on to their end; the streams of a
   replica that dies end with an error at the client (HAProxy resets them), and so may a
   request sent in the moment it dies (a stream cannot be sent twice).
+- A gRPC stream with a `session-id` header (a conversation's key) goes to the replica that
+  key hashes to (`balance hdr`, consistent hashing), so a conversation's turns find their
+  prefix in that replica's KV cache (docs/scaling.md, Sessions). If that replica is out of
+  the rotation, its keys hash to the others (only its keys move) and their next turn
+  prefills whole there; when it comes back, they move back. Streams without one are
+  balanced by least connections.
 - With security settings (security.py: client keys, a bound per key, TLS) the frontends
   check each request's key before it is balanced; compose and Kubernetes render none.
 """
@@ -31,9 +37,11 @@ from pathlib import Path
 
 from specdec.gateway.security import KEY_TABLE, GatewaySecurity, key_rules
 from specdec.paths import PROJECT_ROOT
+from specdec.triton_access import SESSION_HEADER
 
 STREAM_TIMEOUT = "1h"  # a queued stream may wait minutes for its first byte
 HEALTH_PATH = "/v2/health/ready"
+GRPC_BACKENDS = ("triton_grpc", "triton_grpc_session")  # least connections; by session key
 
 
 @dataclass
@@ -99,6 +107,7 @@ def _common(bind: str, config: GatewayConfig) -> list[str]:
         f"    bind {bind}:{config.grpc_port} proto h2{_tls(config, 'h2')}",
         *_indent(key_rules(config.security, config.keys_path, grpc=True)),
         *_indent(_grpc_refusals_content_type(config.security)),
+        f"    use_backend triton_grpc_session if {{ req.hdr({SESSION_HEADER}) -m found }}",
         "    default_backend triton_grpc",
         "",
         "frontend http",  # KServe v2 HTTP/REST (health, metadata, non-streamed infer)
@@ -148,10 +157,12 @@ def _key_table(security: GatewaySecurity) -> list[str]:
     return [f"backend {KEY_TABLE}", "    stick-table type binary len 32 size 100k", ""]
 
 
-def _backend(name: str, servers: list[str], check: GatewayConfig) -> list[str]:
+def _backend(
+    name: str, servers: list[str], check: GatewayConfig, balance: str = "leastconn"
+) -> list[str]:
     return [
         f"backend {name}",
-        "    balance leastconn",
+        f"    balance {balance}",
         "    option httpchk",
         f"    http-check send meth GET uri {HEALTH_PATH}",
         "    http-check expect status 200",
@@ -160,6 +171,15 @@ def _backend(name: str, servers: list[str], check: GatewayConfig) -> list[str]:
         *[f"    {line}" for line in servers],
         "",
     ]
+
+
+def _grpc_backends(servers: list[str], check: GatewayConfig) -> list[str]:
+    """Least connections, and the same replicas by session key (consistent hashing)."""
+    by_session = f"hdr({SESSION_HEADER})\n    hash-type consistent"
+    by_connections, by_key = GRPC_BACKENDS
+    return _backend(by_connections, servers, check) + _backend(
+        by_key, servers, check, balance=by_session
+    )
 
 
 def render_config(config: GatewayConfig) -> str:
@@ -171,7 +191,7 @@ def render_config(config: GatewayConfig) -> str:
     ]
     http = [f"server {r.name} {r.host}:{r.http_port} check" for r in config.replicas]
     lines = _common(config.address, config)
-    lines += _backend("triton_grpc", grpc, config) + _backend("triton_http", http, config)
+    lines += _grpc_backends(grpc, config) + _backend("triton_http", http, config)
     lines += _key_table(config.security)
     return "\n".join(lines)
 
@@ -205,7 +225,7 @@ def render_kubernetes_config() -> str:
         " proto h2 check port 8000 check-proto h1"
     ]
     http = [f'server-template triton 1-{MAX_PODS} "{HEADLESS_NAME}:8000" {dns} check']
-    lines += _backend("triton_grpc", grpc, config) + _backend("triton_http", http, config)
+    lines += _grpc_backends(grpc, config) + _backend("triton_http", http, config)
     return "\n".join(lines)
 
 
@@ -222,7 +242,7 @@ def render_compose_config(services: tuple[str, ...] = COMPOSE_SERVICES) -> str:
     dns = "resolvers docker init-addr last,libc,none"
     grpc = [f"server {s} {s}:8001 {dns} proto h2 check port 8000 check-proto h1" for s in services]
     http = [f"server {s} {s}:8000 {dns} check" for s in services]
-    lines += _backend("triton_grpc", grpc, config) + _backend("triton_http", http, config)
+    lines += _grpc_backends(grpc, config) + _backend("triton_http", http, config)
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from specdec.gateway.config import (
+    GRPC_BACKENDS,
     GatewayConfig,
     Replica,
     check_config,
@@ -74,8 +75,9 @@ class Gateway:
         }
 
     def wait_for_state(self, replica: str, state: str, timeout: float = 60.0) -> None:
+        """Until the replica has `state` in both gRPC backends (each checks it on its own)."""
         deadline = time.time() + timeout
-        while (current := self.server_states().get(replica)) != state:
+        while (current := {self.server_states(b).get(replica) for b in GRPC_BACKENDS}) != {state}:
             if time.time() > deadline:
                 raise TimeoutError(f"{replica} is {current}, not {state}, after {timeout} s")
             time.sleep(0.2)
