@@ -54,8 +54,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from walks import Message, Walk, Workload
-
 import cold_start
 from common import (
     ENGINE_CALL_KINDS,
@@ -78,6 +76,7 @@ from common import (
 )
 from specdec.client import GenerationResult, StreamingClient, generate
 from specdec.paths import PROJECT_ROOT
+from walks import Message, Walk, Workload
 
 # Requests of one stream that may fail in a row before its window's first token; then the
 # run stops with the server's error (a mode the server refuses would spin forever).

@@ -55,11 +55,10 @@ from locust import FastHttpUser, LoadTestShape, User, between, events, task
 grpc_gevent.init_gevent()  # before any gRPC channel exists
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from walks import Workload, raw_text, shuffled  # noqa: E402
-
 from common import MODES, WORKLOAD_NAMES, Message, read_workload  # noqa: E402
 from grpc_streams import StreamPool, StreamResult, is_overload  # noqa: E402
 from schedule import STAGES, PlannedWindow, build_plan, window_at  # noqa: E402
+from walks import Workload, raw_text, shuffled  # noqa: E402
 
 # ChatML as SmolLM2's template writes it, with its default system turn where the messages
 # bring none (tests/test_prefix_workloads.py holds it to the tokenizer's template);

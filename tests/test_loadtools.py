@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_openai_api import api  # noqa: F401 - the fixture: the API on the test server
 
 from specdec.client import scrape_metrics, wait_until_idle
 from specdec.paths import PROJECT_ROOT
 from specdec.serving.metric_names import LOOP_PARTS
+from test_openai_api import api  # noqa: F401 - the fixture: the API on the test server
 
 pytestmark = pytest.mark.server
 B_STREAMS = 11  # the bench's second-server streams: more than the self-draft server's 8 slots

@@ -20,13 +20,13 @@ import numpy as np
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from test_openai_api import MODEL, api_process
 
 from live import scrape, wait_for
 from specdec import openai_api, openai_auth
 from specdec.openai_auth import ApiKeys, InFlight, SettingError, bearer_token
 from specdec.processes import free_port
 from specdec.triton_access import SESSION_HEADER, TritonAccess
+from test_openai_api import MODEL, api_process
 
 KEY_A = "sk-test-a-7f3c9e21"  # OPENAI_API_KEYS
 KEY_B = "sk-test-b-0d4a6b58"  # OPENAI_API_KEYS_FILE

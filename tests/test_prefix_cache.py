@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_scheduler import request, run_all
 
 from fakes import FakeEngines, fake_decode, oracle_continuation
 from specdec.loop.config import SchedulerConfig
@@ -15,6 +14,7 @@ from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.server_config import ServerConfig
 from specdec.serving.settings import parse_prefix_cache, parse_prefix_min_tokens
 from specdec.text.request import GenerationRequest
+from test_scheduler import request, run_all
 
 
 def make_scheduler(num_slots=4, k=2, min_tokens: int | None = 4):

@@ -17,8 +17,6 @@ from specdec.paths import PROJECT_ROOT
 from specdec.text.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
-from walks import ConversationWalk, Message, strided  # noqa: E402
-
 from bench import StreamPrompts  # noqa: E402
 from common import (  # noqa: E402
     CONVERSATIONS,
@@ -28,6 +26,7 @@ from common import (  # noqa: E402
     read_conversations,
     read_workload,
 )
+from walks import ConversationWalk, Message, strided  # noqa: E402
 
 MIN_TOKENS = 64  # the server's PREFIX_MIN_TOKENS: a shorter common prefix is not reused
 
