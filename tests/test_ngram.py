@@ -132,9 +132,9 @@ def test_lookups_are_priced_by_whole_iterations(monkeypatch, host_seconds_per_to
         clock[0] += 0.010 + 0.0005 * len(batch.input_ids)
         return fake_target(batch)
 
-    def target_batch(batch, plan, proposals, copies):
+    def target_batch(batch, plan, proposals, copies, *chunks):
         clock[0] += host_seconds_per_token * sum(len(p.token_ids) for p in proposals.values())
-        return build_target_batch(batch, plan, proposals, copies)
+        return build_target_batch(batch, plan, proposals, copies, *chunks)
 
     monkeypatch.setattr(engines, "target", target)
     monkeypatch.setattr(scheduler, "_target_batch", target_batch)
