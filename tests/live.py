@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
 from specdec.client import build_inputs, generate
 from specdec.client import scrape_metrics as scrape  # noqa: F401 - the tests' name for it
+from specdec.harness import ManagedServer
+from specdec.processes import end_with_parent, free_port
 
 
 def start_victim(url: str, prompt: str, max_tokens: int = 1000, model="speculative_decoding"):
@@ -55,3 +64,40 @@ def wait_for(condition, timeout=120.0):
     while not condition():
         assert time.time() < deadline, "condition not met"
         time.sleep(0.05)
+
+
+@contextmanager
+def openai_api_process(
+    server: ManagedServer, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`python -m specdec.openai_api` on a free port, calling `server`, with `env` added;
+    yields its base URL (.../v1) once /health answers (it needs no key)."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "OPENAI_PORT": str(port),
+        "GRPC_PORT": str(server.config.grpc_port),
+        **(env or {}),
+    }
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "specdec.openai_api"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=end_with_parent,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # it listens once its backend has started
+            assert process.poll() is None, log_path.read_text()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -7,20 +7,16 @@ import json
 import os
 import socket
 import subprocess
-import sys
-import time
 import urllib.request
-from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import openai
 import pytest
 
-from live import scrape, wait_for
+from live import openai_api_process, scrape, wait_for
 from specdec.client import generate
 from specdec.paths import PROJECT_ROOT
-from specdec.processes import end_with_parent, free_port
 from specdec.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.server
@@ -30,44 +26,9 @@ NUM_SLOTS = 32  # the `server` fixture's
 CANCELLED = 'specdec_requests_total{outcome="cancelled"}'
 
 
-@contextmanager
-def api_process(server, log_path: Path, env: dict[str, str] | None = None):
-    """`python -m specdec.openai_api` on a free port, talking to `server`, with `env` added;
-    yields its base URL (…/v1) once it answers /health."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "OPENAI_PORT": str(port),
-        "GRPC_PORT": server.url.rsplit(":", 1)[1],
-        **(env or {}),
-    }
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "specdec.openai_api"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=end_with_parent,
-        )
-    deadline = time.time() + 120
-    while True:  # it listens once its backend has started; /health needs no key
-        assert process.poll() is None, log_path.read_text()
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-            break
-        except OSError:
-            assert time.time() < deadline, log_path.read_text()
-            time.sleep(0.5)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def api(server, tmp_path_factory):
-    with api_process(server, tmp_path_factory.mktemp("openai_api") / "api.log") as base_url:
+    with openai_api_process(server, tmp_path_factory.mktemp("openai_api") / "api.log") as base_url:
         yield base_url
 
 

@@ -21,12 +21,12 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from live import scrape, wait_for
+from live import openai_api_process, scrape, wait_for
 from specdec import openai_api, openai_auth
 from specdec.openai_auth import ApiKeys, InFlight, SettingError, bearer_token
 from specdec.processes import free_port
 from specdec.triton_access import SESSION_HEADER, TritonAccess
-from test_openai_api import MODEL, api_process
+from test_openai_api import MODEL
 
 KEY_A = "sk-test-a-7f3c9e21"  # OPENAI_API_KEYS
 KEY_B = "sk-test-b-0d4a6b58"  # OPENAI_API_KEYS_FILE
@@ -395,7 +395,7 @@ def keyed_api(server, tmp_path_factory):
         "OPENAI_API_KEYS_FILE": str(folder / "keys"),
         "MAX_CONCURRENT_PER_KEY": "1",
     }
-    with api_process(server, folder / "api.log", env) as base_url:
+    with openai_api_process(server, folder / "api.log", env) as base_url:
         yield base_url, folder / "api.log"
 
 

@@ -8,16 +8,13 @@ client, a client that trusts another authority."""
 from __future__ import annotations
 
 import json
-import os
 import queue
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -26,9 +23,9 @@ import tritonclient.grpc as grpcclient
 from test_trtllm_compat import CHAT, stacked_inputs, texts_by_index
 from tritonclient.utils import InferenceServerException
 
+from live import openai_api_process
 from specdec.client import StreamingClient
 from specdec.harness import ManagedServer
-from specdec.processes import end_with_parent, free_port
 from specdec.triton_access import GRPC_HEADER_PREFIX, TritonAccess
 
 pytestmark = pytest.mark.server
@@ -304,46 +301,11 @@ def test_trtllm_clients_call_with_the_header(locked, pki, plain_text):
         client.close()
 
 
-@contextmanager
-def openai_api(server: ManagedServer, log_path: Path, env: dict[str, str]):
-    """`python -m specdec.openai_api` on a free port, calling `server`, with `env` added;
-    yields its base URL (.../v1) once /health answers (it needs no key)."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "OPENAI_PORT": str(port),
-        "GRPC_PORT": str(server.config.grpc_port),
-        **env,
-    }
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "specdec.openai_api"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=end_with_parent,
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
 def test_the_openai_api_reaches_the_locked_server(locked, pki, plain_text, tmp_path):
     """`python -m specdec.openai_api` with the CA and the key from the environment, as
     compose and Kubernetes give them: a completion with the plain server's greedy text."""
     env = {"GRPC_SSL_ROOT_CERT": str(pki["ca"]), "TRITON_INFERENCE_KEY": INFERENCE_KEY}
-    with openai_api(locked, tmp_path / "api.log", env) as base_url:
+    with openai_api_process(locked, tmp_path / "api.log", env) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
         completion = client.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
