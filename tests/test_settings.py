@@ -125,9 +125,10 @@ def test_settings_become_the_bls_parameters(tmp_path):
     assert parameter("stream_interval") == "1" and parameter("response_thread") == "auto"
 
 
-def test_the_launcher_refuses_to_start_with_a_bad_stream_interval(tmp_path):
-    """`make serve`'s command exits at once, naming the setting, and starts no server."""
-    env = {**os.environ, "STREAM_INTERVAL": "0", "RUN_DIR": str(tmp_path)}
+def assert_launch_refused(tmp_path: Path, settings: dict[str, str], message: str) -> None:
+    """`make serve`'s command with `settings` exits at once with `message` and starts no
+    server: nothing is rendered into its RUN_DIR."""
+    env = {**os.environ, **settings, "RUN_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "specdec.launch"],
         env=env,
@@ -137,9 +138,16 @@ def test_the_launcher_refuses_to_start_with_a_bad_stream_interval(tmp_path):
         timeout=120,
     )
     assert done.returncode == 1
-    assert "STREAM_INTERVAL: expected an integer >= 1, got '0'" in done.stderr
+    assert message in done.stderr
     assert "tritonserver on" not in done.stdout
-    assert not (tmp_path / "model_repository").exists()  # nothing was rendered
+    assert not (tmp_path / "model_repository").exists()
+
+
+def test_the_launcher_refuses_to_start_with_a_bad_stream_interval(tmp_path):
+    """`make serve`'s command exits at once, naming the setting, and starts no server."""
+    assert_launch_refused(
+        tmp_path, {"STREAM_INTERVAL": "0"}, "STREAM_INTERVAL: expected an integer >= 1, got '0'"
+    )
 
 
 # -- access: the keys and TLS files (TRITON_INFERENCE_KEY, TRITON_ADMIN_KEY, GRPC_SSL_*) ------
@@ -269,21 +277,9 @@ def test_access_arguments_lock_what_is_set_and_nothing_else(tls_files):
 
 
 def test_the_launcher_refuses_a_missing_certificate_before_the_server_starts(tmp_path):
-    env = {
-        **os.environ,
-        "GRPC_SSL_CERT": str(tmp_path / "server.crt"),
-        "GRPC_SSL_KEY": str(tmp_path / "server.key"),
-        "RUN_DIR": str(tmp_path),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "specdec.launch"],
-        env=env,
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    files = {"GRPC_SSL_CERT": tmp_path / "server.crt", "GRPC_SSL_KEY": tmp_path / "server.key"}
+    assert_launch_refused(
+        tmp_path,
+        {name: str(path) for name, path in files.items()},
+        f"GRPC_SSL_CERT: cannot read {files['GRPC_SSL_CERT']}",
     )
-    assert done.returncode == 1
-    assert f"GRPC_SSL_CERT: cannot read {tmp_path / 'server.crt'}" in done.stderr
-    assert "tritonserver on" not in done.stdout
-    assert not (tmp_path / "model_repository").exists()
