@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -147,27 +149,37 @@ class Health(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_replica_that_is_not_ready_leaves_the_rotation_and_comes_back(servers):
-    # Replica b's gRPC port, but its readiness answered by `Health`.
+@contextmanager
+def gateway_with_toggled_b(
+    servers: list[ManagedServer], name: str
+) -> Iterator[tuple[Gateway, type]]:
+    """A gateway over replicas a and b, b's readiness answered by a `Health` of its own (b's
+    gRPC port is the real one); yields the gateway and that handler class, whose `status`
+    takes b out of the rotation (503) and back (200)."""
     health = ThreadingHTTPServer(("127.0.0.1", 0), type("Toggle", (Health,), {}))
     threading.Thread(target=health.serve_forever, daemon=True).start()
     b = replica("b", servers[1])
     b.http_port = health.server_address[1]
-    gateway = new_gateway(servers, "test-gateway-health", [replica("a", servers[0]), b])
+    gateway = new_gateway(servers, name, [replica("a", servers[0]), b])
     try:
-        health.RequestHandlerClass.status = 503
+        yield gateway, health.RequestHandlerClass
+    finally:
+        gateway.stop()
+        health.shutdown()
+
+
+def test_a_replica_that_is_not_ready_leaves_the_rotation_and_comes_back(servers):
+    with gateway_with_toggled_b(servers, "test-gateway-health") as (gateway, b_health):
+        b_health.status = 503
         gateway.wait_for_state("b", "DOWN", timeout=10)
         before = [finished(s) for s in servers]
         stream_all(gateway.url, PROMPTS[:4], max_tokens=2)
         assert [finished(s) - n for s, n in zip(servers, before, strict=True)] == [4, 0]
-        health.RequestHandlerClass.status = 200
+        b_health.status = 200
         gateway.wait_for_state("b", "UP", timeout=10)
         before = finished(servers[1])
         stream_all(gateway.url, PROMPTS[4:8], max_tokens=2)
         assert finished(servers[1]) > before
-    finally:
-        gateway.stop()
-        health.shutdown()
 
 
 def attempt(url: str, prompt: str) -> GenerationResult:
@@ -264,12 +276,7 @@ def test_a_sessions_streams_stay_on_one_replica_and_move_only_while_it_is_gone(s
     """The session-id header pins a conversation's streams (each a stream of its own, as the
     OpenAI API sends them) to one replica, where its prefix is cached; when that replica
     leaves the rotation they go to the other, and come back with it."""
-    health = ThreadingHTTPServer(("127.0.0.1", 0), type("Toggle", (Health,), {}))
-    threading.Thread(target=health.serve_forever, daemon=True).start()
-    b = replica("b", servers[1])
-    b.http_port = health.server_address[1]
-    gateway = new_gateway(servers, "test-gateway-sessions", [replica("a", servers[0]), b])
-    try:
+    with gateway_with_toggled_b(servers, "test-gateway-sessions") as (gateway, b_health):
         homes = {}
         for session in (f"conversation-{i}" for i in range(10)):
             first = served_by(servers, gateway.url, session)
@@ -277,12 +284,9 @@ def test_a_sessions_streams_stay_on_one_replica_and_move_only_while_it_is_gone(s
             homes[session] = first
         assert set(homes.values()) == {0, 1}, homes  # the keys spread over both
         on_b = next(s for s, home in homes.items() if home == 1)
-        health.RequestHandlerClass.status = 503
+        b_health.status = 503
         gateway.wait_for_state("b", "DOWN", timeout=10)
         assert served_by(servers, gateway.url, on_b) == 0
-        health.RequestHandlerClass.status = 200
+        b_health.status = 200
         gateway.wait_for_state("b", "UP", timeout=10)
         assert served_by(servers, gateway.url, on_b) == 1
-    finally:
-        gateway.stop()
-        health.shutdown()
