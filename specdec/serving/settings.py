@@ -30,16 +30,21 @@ def parse_bool(name: str, value: str) -> bool:
     return text in TRUE_WORDS
 
 
+def parse_count(name: str, value: str, minimum: int) -> int:
+    """An integer setting of at least `minimum`."""
+    try:
+        count = int(value.strip())
+    except ValueError:
+        count = minimum - 1
+    if count < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return count
+
+
 def parse_stream_interval(name: str, value: str) -> int:
     """The server's default stream_interval: output tokens a streamed sequence gathers
     between two responses (1: one response per iteration that added text)."""
-    try:
-        interval = int(value.strip())
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}") from None
-    if interval < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-    return interval
+    return parse_count(name, value, 1)
 
 
 def parse_calibration_seconds(name: str, value: str) -> float:
@@ -65,25 +70,13 @@ def parse_prefix_cache(name: str, value: str) -> bool:
 
 def parse_prefix_min_tokens(name: str, value: str) -> int:
     """The shortest prefix worth reusing, in tokens."""
-    try:
-        tokens = int(value.strip())
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}") from None
-    if tokens < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-    return tokens
+    return parse_count(name, value, 1)
 
 
 def parse_prefill_chunk(name: str, value: str) -> int | None:
     """Prompt tokens prefilled per step for prompts that join in chunks; 0: none do (every
     prompt prefills whole in its first step)."""
-    try:
-        tokens = int(value.strip())
-    except ValueError:
-        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}") from None
-    if tokens < 0:
-        raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
-    return tokens or None
+    return parse_count(name, value, 0) or None
 
 
 def parse_response_thread(name: str, value: str) -> bool | None:
