@@ -107,7 +107,8 @@ class Admission:
             sequence.copy_source_slot, sequence.copy_from = parent.slot, parent
             sequence.copy_length = len(prompt_ids) - 1  # the last prompt token is fed
             return
-        match = self._find_prefix(prompt_ids)
+        key = self.slots.key(prompt_ids[:-1])  # the prompt's last token is always fed
+        match = None if key is None else self._find_prefix(prompt_ids, key)
         if match is None:
             sequence.slot = self.slots.take()
         elif match.running:
@@ -119,14 +120,10 @@ class Admission:
             sequence.slot = self.slots.adopt(match)
             sequence.target_cache_length = sequence.num_copied_positions = match.length
             sequence.draft_cache_length = match.draft_length
-        key = self.slots.key(prompt_ids[:-1])
         if key is not None:
             self.running_by_key.setdefault(key, set()).add(sequence)
 
-    def _find_prefix(self, prompt_ids: list[int]) -> PrefixMatch | None:
-        key = self.slots.key(prompt_ids[:-1])
-        if key is None:
-            return None
+    def _find_prefix(self, prompt_ids: list[int], key: tuple[int, ...]) -> PrefixMatch | None:
         holders = self.running_by_key.get(key, ())
         running = [(s.slot, s.token_ids, s.target_cache_length, s) for s in holders]
         return self.slots.find(prompt_ids, running)

@@ -199,7 +199,9 @@ class SpeculativeScheduler:
         batch, chunks = self._split_prefills(ready)
         if not batch and not chunks:
             return []
-        admitted += len(chunks)  # a step with prefill chunks is no steady step either
+        # A step that prefills (a joining prompt, or chunks of one) is not what a decode step
+        # costs: neither the target's cost curve nor the proposers' step cost books it.
+        steady = not admitted and not chunks
         step_start = time.perf_counter()
         self._close_timed_step(step_start)
         plan = self.last_plan = self.policy.plan(batch)
@@ -215,7 +217,7 @@ class SpeculativeScheduler:
         target_seconds = time.perf_counter() - start
         for sequence, num_tokens in chunks:  # their prompts' positions, written; no output
             sequence.target_cache_length += num_tokens
-        if not admitted:  # a prefill is not what a decode step costs
+        if steady:
             self.target_cost.observe(len(target_batch.input_ids), target_seconds)
         num_draft_calls, draft_bytes, target_bytes = self.engines.take_counts()
         stats = IterationStats(
@@ -229,7 +231,7 @@ class SpeculativeScheduler:
             target_result_bytes=target_bytes,
         )
         updates = self._verify_and_commit(batch, plan, proposals, result, stats)
-        if not admitted:  # a prefill is no steady step
+        if steady:
             self._timed_step = TimedStep(
                 start=step_start,
                 busy=time.perf_counter() - step_start,
@@ -302,7 +304,7 @@ class SpeculativeScheduler:
         plan: StepPlan,
         proposals: dict[int, Proposal],
         copies: list[CacheCopy],
-        chunks: list[tuple[SequenceState, int]] = [],  # noqa: B006 - read only
+        chunks: list[tuple[SequenceState, int]],
     ) -> EngineBatch:
         """The batch's rows, then the prefill chunks' (whose one output is not read)."""
         rows = batch + [s for s, _ in chunks]
