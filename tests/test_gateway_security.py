@@ -296,9 +296,17 @@ class HeldStream:
 
     def __init__(self, channel: grpc.Channel, key: str):
         self.done = threading.Event()
+        # Connected first, and waiting for readiness: on a fresh channel a call that meets
+        # a connection still being made would otherwise fail at once (UNAVAILABLE), and the
+        # gateway would never see it.
+        grpc.channel_ready_future(channel).result(timeout=30)
         self.call = channel.stream_stream(STREAM)(
-            self._nothing(), metadata=[(GRPC_KEY_HEADER, key)]
+            self._nothing(), metadata=[(GRPC_KEY_HEADER, key)], wait_for_ready=True
         )
+
+    def state(self) -> str:
+        """'open', or how the call ended (for a failing wait's message)."""
+        return f"ended {self.call.code()}" if self.call.done() else "open"
 
     def _nothing(self):
         self.done.wait()
@@ -331,7 +339,7 @@ def test_each_key_has_at_most_max_concurrent_streams(locked, secured, certificat
     held: list[HeldStream] = []
     try:
         held += [HeldStream(one, alice), HeldStream(one, alice)]  # two streams, one connection
-        wait_for_status(lambda: metadata_status(secured.url, alice, ca), full)
+        wait_for_status(lambda: metadata_status(secured.url, alice, ca), full, held)
         refused = attempt(secured.url, TritonAccess(inference_key=alice, root_cert=ca))
         assert refused.error is not None
         assert refused.error.status() in refused_stream("StatusCode.RESOURCE_EXHAUSTED")
@@ -341,11 +349,11 @@ def test_each_key_has_at_most_max_concurrent_streams(locked, secured, certificat
         assert http_status(secured, "/v2/models/ensemble", alice, ca) == 429  # one table
 
         held[1].cancel()  # cancelled: the bound comes back
-        wait_for_status(lambda: metadata_status(secured.url, alice, ca), "OK")
+        wait_for_status(lambda: metadata_status(secured.url, alice, ca), "OK", held)
         held.append(HeldStream(two, alice))  # one stream on each of two connections
-        wait_for_status(lambda: metadata_status(secured.url, alice, ca), full)
+        wait_for_status(lambda: metadata_status(secured.url, alice, ca), full, held)
         held[0].end()  # ended by the client, then by Triton
-        wait_for_status(lambda: metadata_status(secured.url, alice, ca), "OK")
+        wait_for_status(lambda: metadata_status(secured.url, alice, ca), "OK", held)
 
         # A stream that generates gives its place back as well when it is cancelled.
         client = grpcclient.InferenceServerClient(secured.url, ssl=True, root_certificates=ca)
@@ -355,10 +363,10 @@ def test_each_key_has_at_most_max_concurrent_streams(locked, secured, certificat
         )
         client.async_stream_infer("ensemble", build_inputs(PROMPT, max_tokens=16, stream=True))
         assert chunks.get(timeout=60) is None  # the first chunk came: it runs
-        wait_for_status(lambda: metadata_status(secured.url, alice, ca), full)
+        wait_for_status(lambda: metadata_status(secured.url, alice, ca), full, held)
         client.stop_stream(cancel_requests=True)
         client.close()
-        wait_for_status(lambda: metadata_status(secured.url, alice, ca), "OK")
+        wait_for_status(lambda: metadata_status(secured.url, alice, ca), "OK", held)
     finally:
         for stream in held:
             stream.cancel()
@@ -366,11 +374,17 @@ def test_each_key_has_at_most_max_concurrent_streams(locked, secured, certificat
         two.close()
 
 
-def wait_for_status(call, expected: str, timeout: float = 10.0) -> None:
-    """The gateway sees a stream's end a moment after the client does."""
+def wait_for_status(
+    call, expected: str, held: list[HeldStream] | None = None, timeout: float = 30.0
+) -> None:
+    """The gateway sees a stream's end a moment after the client does. A failure says what
+    became of the held streams."""
     deadline = time.monotonic() + timeout
     while (status := call()) != expected:
-        assert time.monotonic() < deadline, f"{status!r}, not {expected!r}, after {timeout} s"
+        streams = [stream.state() for stream in held or []]
+        assert time.monotonic() < deadline, (
+            f"{status!r}, not {expected!r}, after {timeout} s; held streams: {streams}"
+        )
         time.sleep(0.1)
 
 
