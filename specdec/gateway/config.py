@@ -24,7 +24,8 @@ checks that endpoint itself (Debian packages it: `apt-get install haproxy`).
   prefills whole there; when it comes back, they move back. Streams without one are
   balanced by least connections.
 - With security settings (security.py: client keys, a bound per key, TLS) the frontends
-  check each request's key before it is balanced; compose and Kubernetes render none.
+  check each request's key before it is balanced (`serve` and compose's gateway; the
+  Kubernetes rendering has none).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class GatewayConfig:
     def keys_path(self) -> Path:
         """Where the gateway writes the client keys for HAProxy (owner-only)."""
         return self.run_dir / "keys.lst"
+
+    @property
+    def config_path(self) -> Path:
+        """Where the gateway writes its haproxy.cfg."""
+        return self.run_dir / "haproxy.cfg"
 
 
 def haproxy_binary() -> str | None:
@@ -184,16 +190,23 @@ def _grpc_backends(servers: list[str], check: GatewayConfig) -> list[str]:
 
 def render_config(config: GatewayConfig) -> str:
     """haproxy.cfg for fixed replicas (each checked on its own HTTP port)."""
+    lines = _common(config.address, config) + _replica_backends(config)
+    return "\n".join(lines)
+
+
+def _replica_backends(config: GatewayConfig, server_options: str = "") -> list[str]:
+    """The gRPC and HTTP backends of config.replicas, and the key table if one is needed;
+    server_options: what each server line has after its address (compose: resolvers)."""
     grpc = [
-        f"server {r.name} {r.host}:{r.grpc_port} proto h2{_replica_tls(config)}"
+        f"server {r.name} {r.host}:{r.grpc_port}{server_options} proto h2{_replica_tls(config)}"
         f" check port {r.http_port} check-proto h1"
         for r in config.replicas
     ]
-    http = [f"server {r.name} {r.host}:{r.http_port} check" for r in config.replicas]
-    lines = _common(config.address, config)
-    lines += _grpc_backends(grpc, config) + _backend("triton_http", http, config)
-    lines += _key_table(config.security)
-    return "\n".join(lines)
+    http = [
+        f"server {r.name} {r.host}:{r.http_port}{server_options} check" for r in config.replicas
+    ]
+    lines = _grpc_backends(grpc, config) + _backend("triton_http", http, config)
+    return lines + _key_table(config.security)
 
 
 def _replica_tls(config: GatewayConfig) -> str:
@@ -231,18 +244,28 @@ def render_kubernetes_config() -> str:
 
 # docker compose on a host with several GPUs: one Triton service per GPU, found by service
 # name through Docker's DNS (a service outside the active profiles stays out of rotation).
-# deploy/compose/haproxy.cfg is this text for COMPOSE_SERVICES.
+# The gateway's container renders this (`python -m specdec.gateway compose`, serve.py) with
+# the security settings of its environment; `compose-config` prints it without them.
 COMPOSE_SERVICES = ("triton", "triton-gpu1", "triton-gpu2", "triton-gpu3")
 
 
-def render_compose_config(services: tuple[str, ...] = COMPOSE_SERVICES) -> str:
-    config = GatewayConfig(replicas=[])
-    lines = _common("*", config)
+def compose_config(
+    security: GatewaySecurity | None = None, run_dir: Path | None = None
+) -> GatewayConfig:
+    """The compose gateway: every Triton service by name, on the container's own ports."""
+    replicas = [Replica(s, s, grpc_port=8001, http_port=8000) for s in COMPOSE_SERVICES]
+    config = GatewayConfig(replicas, address="*", security=security or GatewaySecurity())
+    if run_dir is not None:
+        config.run_dir = run_dir
+    return config
+
+
+def render_compose_config(config: GatewayConfig | None = None) -> str:
+    """haproxy.cfg for replicas found through Docker's DNS (default: compose_config())."""
+    config = config or compose_config()
+    lines = _common(config.address, config)
     lines += ["resolvers docker", "    nameserver dns 127.0.0.11:53", ""]
-    dns = "resolvers docker init-addr last,libc,none"
-    grpc = [f"server {s} {s}:8001 {dns} proto h2 check port 8000 check-proto h1" for s in services]
-    http = [f"server {s} {s}:8000 {dns} check" for s in services]
-    lines += _grpc_backends(grpc, config) + _backend("triton_http", http, config)
+    lines += _replica_backends(config, " resolvers docker init-addr last,libc,none")
     return "\n".join(lines)
 
 

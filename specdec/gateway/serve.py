@@ -1,5 +1,6 @@
 """Running the gateway: HAProxy as a child process in front of fixed replicas (tests,
-`make serve REPLICAS=N`), and `serve`, which starts N supervised replicas behind it.
+`make serve REPLICAS=N`), `serve`, which starts N supervised replicas behind it, and
+`compose`, which runs HAProxy in docker-compose.yml's gateway container.
 
 Replicas' own ports: REPLICA_BASE_PORT (8100) + 10 i: HTTP, + 1 gRPC, + 2 metrics. With
 --openai the OpenAI-compatible API (specdec.openai_api) runs in front of the gateway.
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from specdec.gateway.config import (
@@ -22,7 +24,9 @@ from specdec.gateway.config import (
     GatewayConfig,
     Replica,
     check_config,
+    compose_config,
     haproxy_binary,
+    render_compose_config,
     render_config,
     require_haproxy,
 )
@@ -34,15 +38,15 @@ from specdec.processes import end_with_parent, is_ready, port_open, terminate
 class Gateway:
     """HAProxy in front of fixed replicas (tests, `make serve REPLICAS=N`); stop() ends it."""
 
-    def __init__(self, config: GatewayConfig, timeout: float = 30.0):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        timeout: float = 30.0,
+        render: Callable[[GatewayConfig], str] = render_config,
+    ):
         self.config = config
-        config.run_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path = config.run_dir / "haproxy.cfg"
-        if config.security.keys:
-            write_private(config.keys_path, "".join(f"{key}\n" for key in config.security.keys))
-        self.config_path.write_text(render_config(config))
-        env = {**os.environ, **config.security.haproxy_env()}  # Triton's key: not in the file
-        check_config(self.config_path, env)
+        self.config_path = config.config_path
+        env = write_config(config, dict(os.environ), render)
         self.log_path = config.run_dir / "haproxy.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
@@ -93,6 +97,20 @@ class Gateway:
         self.stop()
 
 
+def write_config(
+    config: GatewayConfig, env: dict[str, str], render: Callable[[GatewayConfig], str]
+) -> dict[str, str]:
+    """config.run_dir/haproxy.cfg (and the client keys, owner-only), checked by HAProxy.
+    Returns HAProxy's environment: `env` and Triton's key, which the file only names."""
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    if config.security.keys:
+        write_private(config.keys_path, "".join(f"{key}\n" for key in config.security.keys))
+    config.config_path.write_text(render(config))
+    haproxy_env = {**env, **config.security.haproxy_env()}
+    check_config(config.config_path, haproxy_env)
+    return haproxy_env
+
+
 def write_private(path: Path, text: str) -> None:
     """A file only its owner can read, whatever umask says (the client keys)."""
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -131,15 +149,9 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     """N replicas and the gateway on GRPC_PORT / HTTP_PORT until SIGINT or SIGTERM; a replica
     that exits is started again (its streams ended with an error; the gateway skips it
     meanwhile). openai: the OpenAI-compatible API too, calling the gateway."""
-    if haproxy_binary() is None:
-        print("haproxy not found: apt-get install haproxy", file=sys.stderr)
+    if (settings := gateway_settings(env, openai)) is None:
         return 2
-    try:  # the gateway's settings (docs/scaling.md, Security), refused before anything starts
-        security = GatewaySecurity.from_env(env)
-        client_env = openai_env(env, security) if openai else env
-    except ValueError as error:
-        print(f"gateway: {error}", file=sys.stderr)
-        return 2
+    security, client_env = settings
     run_dir = Path(env.get("RUN_DIR", PROJECT_ROOT / ".run"))
     base = int(env.get("REPLICA_BASE_PORT", 8100))
     replicas = [replica_ports(i, base) for i in range(num_replicas)]
@@ -173,6 +185,43 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
             process.wait()
         gateway.stop()
     return 0
+
+
+def gateway_settings(
+    env: dict[str, str], openai: bool = False
+) -> tuple[GatewaySecurity, dict[str, str]] | None:
+    """The gateway's settings (docs/scaling.md, Security) and the OpenAI API's environment
+    (`serve --openai`), checked before anything starts: None after one line on stderr that
+    names what is wrong (a variable, never a key's value)."""
+    if haproxy_binary() is None:
+        print("haproxy not found: apt-get install haproxy", file=sys.stderr)
+        return None
+    try:
+        security = GatewaySecurity.from_env(env)
+        return security, (openai_env(env, security) if openai else env)
+    except ValueError as error:
+        print(f"gateway: {error}", file=sys.stderr)
+        return None
+
+
+def compose(env: dict[str, str]) -> int:
+    """The gateway of docker-compose.yml, in its container: the settings of `env`, checked
+    as `serve` checks them, then HAProxy in this process's place (exec, so that docker's
+    signals reach it) in front of COMPOSE_SERVICES. Returns 2 when a setting is refused."""
+    if (settings := gateway_settings(env)) is None:
+        return 2
+    run_dir = Path(env.get("RUN_DIR", PROJECT_ROOT / ".run")) / "gateway"
+    config = compose_config(settings[0], run_dir)
+    try:  # e.g. a certificate that does not match its key: HAProxy's own message
+        haproxy_env = write_config(config, env, render_compose_config)
+    except ValueError as error:
+        print(f"gateway: {error}", file=sys.stderr)
+        return 2
+    ports = f"gRPC {config.grpc_port}, HTTP {config.http_port}, stats {config.stats_port}"
+    print(f"gateway (HAProxy) in front of {', '.join(r.name for r in config.replicas)}: {ports}")
+    print(f"  security: {describe(config.security)}", flush=True)
+    binary = require_haproxy()
+    os.execve(binary, [binary, "-db", "-f", str(config.config_path)], haproxy_env)
 
 
 def openai_env(env: dict[str, str], security: GatewaySecurity) -> dict[str, str]:
