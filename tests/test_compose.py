@@ -50,7 +50,9 @@ def named_paths(words: list[str]) -> list[str]:
     found = []
     for i, word in enumerate(words):
         if i and words[i - 1] == "-m" and "." in word:
-            found.append(word.replace(".", "/") + ".py")
+            module = word.replace(".", "/")  # a package runs its __main__.py
+            package = (PROJECT_ROOT / module).is_dir()
+            found.append(f"{module}/__main__.py" if package else f"{module}.py")
         elif re.search(r"\.(py|sh|json|jsonl)$", word):
             found.append(word)
     return found
@@ -276,30 +278,92 @@ def test_one_triton_service_per_gpu_and_one_gpu_by_default(compose):
     assert len(host_ports) == len(set(host_ports))  # every profile at once: no clash
 
 
-def test_gateway_balances_over_every_triton_service(compose):
-    from specdec.gateway.config import (
-        COMPOSE_SERVICES,
-        check_config,
-        haproxy_binary,
-        render_compose_config,
-    )
+GATEWAY_VARIABLES = {
+    "GATEWAY_KEYS_FILE",
+    "MAX_CONCURRENT_PER_KEY",
+    "TRITON_INFERENCE_KEY",
+    "GATEWAY_SSL_CERT",
+    "GRPC_SSL_CERT",
+    "GRPC_SSL_ROOT_CERT",
+}
+
+
+def test_gateway_runs_the_project_image_with_the_security_settings(compose):
+    """The gateway is `python -m specdec.gateway compose` in the project's image, with the
+    settings `serve` reads (unset by default) and the certificates' folder read-only."""
+    from specdec.gateway.config import COMPOSE_SERVICES
 
     services = compose["services"]
     gateway = services["gateway"]
     assert set(gateway["profiles"]) == {"gpus-2", "gpus-4"}
-    tritons = [n for n in services if re.fullmatch(r"triton(-gpu\d+)?", n)]
-    assert sorted(COMPOSE_SERVICES) == sorted(tritons)
-    (volume,) = gateway["volumes"]
-    source, target = volume.split(":")[:2]
-    assert target == "/usr/local/etc/haproxy/haproxy.cfg"  # where the image reads it
-    config = (PROJECT_ROOT / source).read_text()
-    assert config == render_compose_config()  # python -m specdec.gateway compose-config
-    for name in tritons:
-        assert f"server {name} {name}:8001 " in config and "proto h2" in config
+    assert gateway["restart"] == "unless-stopped"
+    assert gateway["image"] == services["triton"]["image"] == "specdec-triton"
+    assert gateway["command"] == ["python3", "-m", "specdec.gateway", "compose"]
+    assert gateway["environment"] == {name: f"${{{name}:-}}" for name in GATEWAY_VARIABLES}
+    certs = "${CERTS_DIR:-./.run/certs}:/opt/specdec/certs:ro"
+    assert gateway["volumes"] == [certs] and certs in services["triton"]["volumes"]
     published = {expand(p).rsplit(":", 1)[1] for p in gateway["ports"]}
     assert {"8001", "8000", "8404"} == published
+    tritons = [n for n in services if re.fullmatch(r"triton(-gpu\d+)?", n)]
+    assert sorted(COMPOSE_SERVICES) == sorted(tritons)
     for name in ("openai", "locust", "sdk"):  # TRITON_HOST=gateway sends them through it
         assert "${TRITON_HOST:-triton}" in str(services[name])
+
+
+def test_the_gateway_without_settings_renders_compose_config(compose, tmp_path):
+    """The gateway service's own environment (empty strings: unset) renders what
+    `compose-config` prints: no keys, no TLS; HAProxy checks it and then runs it."""
+    from specdec.gateway.config import haproxy_binary, render_compose_config
+    from specdec.gateway.serve import compose_command
+
     if haproxy_binary() is None:
-        pytest.skip("haproxy not installed: its own check of the config did not run")
-    check_config(PROJECT_ROOT / source)
+        pytest.skip("haproxy not installed: the gateway refuses to start without it")
+    gateway = compose["services"]["gateway"]
+    env = {name: expand(value) for name, value in gateway["environment"].items()}
+    assert set(env.values()) == {""}
+    argv, haproxy_env = compose_command({**env, "RUN_DIR": str(tmp_path)})
+    config_path = tmp_path / "gateway" / "haproxy.cfg"
+    assert argv == [haproxy_binary(), "-db", "-f", str(config_path)]  # in the foreground
+    text = config_path.read_text()
+    assert text == render_compose_config()
+    for name in [n for n in compose["services"] if re.fullmatch(r"triton(-gpu\d+)?", n)]:
+        assert f"server {name} {name}:8001 resolvers docker " in text
+    assert "ssl" not in text and "acl" not in text and "proto h2" in text
+    assert haproxy_env == {**env, "RUN_DIR": str(tmp_path)}  # no key added
+    assert not (tmp_path / "gateway" / "keys.lst").exists()
+
+
+@pytest.mark.parametrize(
+    ("settings", "variable"),
+    [
+        ({"GATEWAY_KEYS_FILE": "/opt/specdec/certs/missing.txt"}, "GATEWAY_KEYS_FILE"),
+        (
+            {"GATEWAY_KEYS_FILE": "{keys}", "TRITON_INFERENCE_KEY": "a secret"},
+            "TRITON_INFERENCE_KEY",
+        ),
+        ({"GRPC_SSL_CERT": "/opt/specdec/certs/server.crt"}, "GRPC_SSL_ROOT_CERT"),
+    ],
+)
+def test_the_gateway_refuses_a_bad_setting_before_haproxy_runs(
+    compose, tmp_path, settings, variable
+):
+    """As `serve`: one line naming the variable (never a key), exit 2, nothing written."""
+    from specdec.gateway.config import haproxy_binary
+
+    if haproxy_binary() is None:
+        pytest.skip("haproxy not installed: the gateway refuses to start without it")
+    (tmp_path / "keys.txt").write_text("a-secret-client-key\n")
+    env = {k: expand(v) for k, v in compose["services"]["gateway"]["environment"].items()}
+    env |= {k: str(tmp_path / "keys.txt") if v == "{keys}" else v for k, v in settings.items()}
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec.gateway", "compose"],
+        env={**env, "PATH": "/usr/bin:/bin", "RUN_DIR": str(tmp_path / "run")},
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"gateway: {variable}: ") and done.stderr.count("\n") == 1
+    assert "secret" not in done.stderr + done.stdout
+    assert not (tmp_path / "run").exists()

@@ -205,23 +205,31 @@ def gateway_settings(
 
 
 def compose(env: dict[str, str]) -> int:
-    """The gateway of docker-compose.yml, in its container: the settings of `env`, checked
-    as `serve` checks them, then HAProxy in this process's place (exec, so that docker's
-    signals reach it) in front of COMPOSE_SERVICES. Returns 2 when a setting is refused."""
-    if (settings := gateway_settings(env)) is None:
+    """The gateway of docker-compose.yml, in its container: HAProxy in this process's place
+    (exec, so that docker's signals reach it). Returns 2 when a setting is refused."""
+    if (command := compose_command(env)) is None:
         return 2
+    argv, haproxy_env = command
+    os.execve(argv[0], argv, haproxy_env)
+
+
+def compose_command(env: dict[str, str]) -> tuple[list[str], dict[str, str]] | None:
+    """HAProxy's command line and environment in front of COMPOSE_SERVICES, its file written
+    and checked, with the settings of `env` checked as `serve` checks them: None after one
+    line on stderr naming what is wrong."""
+    if (settings := gateway_settings(env)) is None:
+        return None
     run_dir = Path(env.get("RUN_DIR", PROJECT_ROOT / ".run")) / "gateway"
     config = compose_config(settings[0], run_dir)
     try:  # e.g. a certificate that does not match its key: HAProxy's own message
         haproxy_env = write_config(config, env, render_compose_config)
     except ValueError as error:
         print(f"gateway: {error}", file=sys.stderr)
-        return 2
+        return None
     ports = f"gRPC {config.grpc_port}, HTTP {config.http_port}, stats {config.stats_port}"
     print(f"gateway (HAProxy) in front of {', '.join(r.name for r in config.replicas)}: {ports}")
     print(f"  security: {describe(config.security)}", flush=True)
-    binary = require_haproxy()
-    os.execve(binary, [binary, "-db", "-f", str(config.config_path)], haproxy_env)
+    return [require_haproxy(), "-db", "-f", str(config.config_path)], haproxy_env
 
 
 def openai_env(env: dict[str, str], security: GatewaySecurity) -> dict[str, str]:
