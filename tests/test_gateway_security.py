@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -31,9 +32,16 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from specdec.client import GenerationResult, StreamingClient, build_inputs, scrape_metrics
-from specdec.gateway.config import GatewayConfig, Replica, haproxy_binary
+from specdec.gateway.config import (
+    GatewayConfig,
+    Replica,
+    check_config,
+    haproxy_binary,
+    render_compose_config,
+    render_config,
+)
 from specdec.gateway.security import GRPC_KEY_HEADER, GatewaySecurity
-from specdec.gateway.serve import Gateway, openai_env, serve
+from specdec.gateway.serve import Gateway, compose_command, openai_env, serve
 from specdec.harness import ManagedServer
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import free_port
@@ -139,7 +147,12 @@ def locked(target_dir, certificates):
     server.stop()
 
 
-def new_gateway(server: ManagedServer, name: str, env: dict[str, str]) -> Gateway:
+def new_gateway(
+    server: ManagedServer,
+    name: str,
+    env: dict[str, str],
+    render: Callable[[GatewayConfig], str] = render_config,
+) -> Gateway:
     """HAProxy in front of `server`, with the security settings of `env`."""
     c = server.config
     config = GatewayConfig(
@@ -150,7 +163,7 @@ def new_gateway(server: ManagedServer, name: str, env: dict[str, str]) -> Gatewa
         run_dir=PROJECT_ROOT / ".run" / name,
         security=GatewaySecurity.from_env(env),
     )
-    gateway = Gateway(config)
+    gateway = Gateway(config, render=render)
     gateway.wait_for_state("locked", "UP")
     return gateway
 
@@ -169,18 +182,23 @@ def passthrough(locked, certificates):
 
 
 @pytest.fixture(scope="module")
-def secured(locked, certificates, tmp_path_factory):
-    """Client keys, a bound per key, TLS from clients."""
+def every_setting(certificates, tmp_path_factory) -> dict[str, str]:
+    """Client keys, a bound per key, Triton's key, TLS from clients and to the replica."""
     keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys_file.write_text("# the test's clients\n\n" + "".join(f"  {k}\n" for k in CLIENT_KEYS))
-    env = {
+    return {
         "GATEWAY_KEYS_FILE": str(keys_file),
         "MAX_CONCURRENT_PER_KEY": str(LIMIT),
         "TRITON_INFERENCE_KEY": TRITON_KEY,
         "GATEWAY_SSL_CERT": certificates["gateway"],
         **replica_tls(certificates),
     }
-    gateway = new_gateway(locked, "test-gateway-secured", env)
+
+
+@pytest.fixture(scope="module")
+def secured(locked, every_setting):
+    """Client keys, a bound per key, TLS from clients."""
+    gateway = new_gateway(locked, "test-gateway-secured", every_setting)
     yield gateway
     gateway.stop()
 
@@ -386,6 +404,48 @@ def wait_for_status(
             f"{status!r}, not {expected!r}, after {timeout} s; held streams: {streams}"
         )
         time.sleep(0.1)
+
+
+@needs_haproxy
+def test_the_compose_gateway_renders_every_setting(every_setting, tmp_path):
+    """`python -m specdec.gateway compose` (docker-compose.yml's gateway) with every setting:
+    the keys file owner-only, TLS both ways, the key rules; Triton's key reaches HAProxy
+    through its environment only, and HAProxy accepts the file with that environment."""
+    argv, haproxy_env = compose_command({**every_setting, "RUN_DIR": str(tmp_path)})
+    config_path = tmp_path / "gateway" / "haproxy.cfg"
+    assert argv == [haproxy_binary(), "-db", "-f", str(config_path)]
+    text = config_path.read_text()
+    assert text.count(f"ssl crt {every_setting['GATEWAY_SSL_CERT']} alpn") == 2  # gRPC, HTTP
+    assert text.count(f"ca-file {every_setting['GRPC_SSL_ROOT_CERT']} ") == 8  # 4 services x2
+    keys_path = tmp_path / "gateway" / "keys.lst"
+    assert text.count(f"acl client_key var(txn.key) -m str -f {keys_path}") == 2
+    assert f"sc0_trackers gt {LIMIT}" in text and "backend keys_in_flight" in text
+    assert keys_path.read_text().split() == list(CLIENT_KEYS)
+    assert keys_path.stat().st_mode & 0o777 == 0o600
+    assert TRITON_KEY not in text and haproxy_env["TRITON_INFERENCE_KEY"] == TRITON_KEY
+    check_config(config_path, haproxy_env)
+    with pytest.raises(ValueError):  # the file only names the key: without it, no valid rule
+        check_config(config_path, {k: v for k, v in haproxy_env.items() if "TRITON" not in k})
+
+
+@needs_haproxy
+@pytest.mark.server
+def test_the_compose_rendering_checks_keys_in_front_of_a_locked_replica(
+    locked, every_setting, certificates, reference
+):
+    """The compose gateway's rules through the real HAProxy (its server lines carry Docker's
+    resolvers; an IP address needs none): TLS, keys and Triton's key as with `serve`."""
+    gateway = new_gateway(locked, "test-gateway-compose", every_setting, render_compose_config)
+    ca = certificates["ca"]
+    try:
+        assert "resolvers docker" in gateway.config_path.read_text()
+        status = metadata_status(gateway.url, "not-a-client-key", ca)
+        assert status.startswith("StatusCode.UNAUTHENTICATED: a known key in the"), status
+        assert http_status(gateway, "/v2/models/ensemble", None, ca) == 401
+        result = attempt(gateway.url, TritonAccess(inference_key=CLIENT_KEYS[1], root_cert=ca))
+        assert (result.error, result.text) == (None, reference)  # over TLS, with Triton's key
+    finally:
+        gateway.stop()
 
 
 @pytest.mark.parametrize(
