@@ -43,6 +43,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.certificates import check_key_pair
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent
 from specdec.serving.settings import ENV_CHECKS
@@ -115,8 +116,9 @@ class ServerConfig:
             admin_key=env.get("TRITON_ADMIN_KEY") or None,
         )
         if env.get("GRPC_SSL_CERT"):
-            config.grpc_ssl_cert = Path(env["GRPC_SSL_CERT"]).absolute()
-            config.grpc_ssl_key = Path(env["GRPC_SSL_KEY"]).absolute()
+            cert, key = env["GRPC_SSL_CERT"], env["GRPC_SSL_KEY"]
+            check_key_pair("GRPC_SSL_CERT", cert, "GRPC_SSL_KEY", key)
+            config.grpc_ssl_cert, config.grpc_ssl_key = Path(cert).absolute(), Path(key).absolute()
         if env.get("RUN_DIR"):
             config.run_dir = Path(env["RUN_DIR"])
         for var, (key, models) in ENV_PARAMETERS.items():

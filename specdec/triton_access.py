@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.certificates import check_dates
+
 INFERENCE_KEY_HEADER = "inference-key"  # the restriction's header name; HTTP sends it as is
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # gRPC: Triton expects this before the name
 # A conversation's key: the gateway sends the gRPC streams that carry it to one replica, whose
@@ -46,6 +48,10 @@ class TritonAccess:
                 raise AccessError(f"GRPC_SSL_ROOT_CERT: cannot read {path}: {error}") from None
             if b"BEGIN CERTIFICATE" not in pem:
                 raise AccessError(f"GRPC_SSL_ROOT_CERT: {path} holds no PEM certificate")
+            try:  # an expired authority fails every handshake, with a message naming nothing
+                check_dates("GRPC_SSL_ROOT_CERT", path)
+            except ValueError as error:
+                raise AccessError(str(error)) from None
             root_cert = path
         return cls(inference_key=env.get("TRITON_INFERENCE_KEY") or None, root_cert=root_cert)
 

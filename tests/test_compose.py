@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tls import make_ca, make_server_certificate, require_openssl
 
 from specdec.paths import PROJECT_ROOT
 from specdec.server_config import ServerConfig, render_repository
@@ -176,10 +177,9 @@ def test_entrypoint_restricts_apis_and_disables_model_control(tmp_path):
 
 def test_entrypoint_locks_inference_beside_the_admin_apis_and_turns_on_tls(tmp_path):
     """Both groups at once (Triton takes an API in one group only), health in neither."""
-    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
-    body = "MIIBszCCAVmgAwIBAgIU\n"
-    cert.write_text(f"-----BEGIN CERTIFICATE-----\n{body}-----END CERTIFICATE-----\n")
-    key.write_text(f"-----BEGIN PRIVATE KEY-----\n{body}-----END PRIVATE KEY-----\n")
+    require_openssl()
+    make_ca(tmp_path, "ca")
+    cert, key = make_server_certificate(tmp_path, "ca")  # real: dates and key pair are checked
     env = {
         "TRITON_INFERENCE_KEY": "infer-secret",
         "GRPC_SSL_CERT": str(cert),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import queue
 import re
-import shutil
 import ssl
 import subprocess
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 import tritonclient.grpc as grpcclient
+from tls import make_ca, make_server_certificate, require_openssl
 from tritonclient.utils import InferenceServerException
 
 from specdec.client import GenerationResult, StreamingClient, build_inputs, scrape_metrics
@@ -105,36 +105,19 @@ def metadata_status(url: str, key: str | None, root_cert: str | None = None) -> 
         client.close()
 
 
-def openssl(*words: str) -> None:
-    subprocess.run(["openssl", *words], check=True, capture_output=True)
-
-
-def make_ca(d: Path, name: str) -> None:
-    """{name}.pem and {name}.key: a certificate authority of one day, made now."""
-    openssl(*f"req -x509 {EC} -keyout {d}/{name}.key -out {d}/{name}.pem".split(),
-            "-days", "1", "-subj", f"/CN={name}")  # fmt: skip
-
-
-EC = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-
-
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory) -> dict[str, str]:
     """A CA; a certificate for 127.0.0.1 signed by it, which the replica serves gRPC with
     and the gateway its clients; another CA that signed nothing of theirs."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed: the TLS certificates cannot be made")
+    require_openssl()
     d = tmp_path_factory.mktemp("tls")
-    make_ca(d, "ca")
-    make_ca(d, "other-ca")
-    openssl(*f"req {EC} -keyout {d}/server.key -out {d}/server.csr -subj /CN=specdec".split())
-    (d / "san").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl(*f"x509 -req -in {d}/server.csr -CA {d}/ca.pem -CAkey {d}/ca.key -CAcreateserial"
-            f" -days 1 -extfile {d}/san -out {d}/server.crt".split())  # fmt: skip
-    (d / "gateway.pem").write_text((d / "server.crt").read_text() + (d / "server.key").read_text())
-    names = {"ca": "ca.pem", "other_ca": "other-ca.pem", "cert": "server.crt"}
-    names |= {"key": "server.key", "gateway": "gateway.pem"}
-    return {role: str(d / name) for role, name in names.items()}
+    ca, _ = make_ca(d, "ca")
+    other_ca, _ = make_ca(d, "other-ca")
+    cert, key = make_server_certificate(d, "ca")
+    gateway = d / "gateway.pem"  # HAProxy's: the certificate and its key in one file
+    gateway.write_text(cert.read_text() + key.read_text())
+    paths = {"ca": ca, "other_ca": other_ca, "cert": cert, "key": key, "gateway": gateway}
+    return {role: str(path) for role, path in paths.items()}
 
 
 @pytest.fixture(scope="module")
@@ -492,14 +475,12 @@ def test_without_a_keys_file_the_gateway_checks_nothing():
     assert security == GatewaySecurity() and security.haproxy_env() == {}
 
 
-def test_the_openai_api_that_serve_starts_calls_the_gateway_as_a_client(tmp_path):
+def test_the_openai_api_that_serve_starts_calls_the_gateway_as_a_client(tmp_path, certificates):
     """`serve --openai`: TLS to the gateway only when the gateway serves it, and Triton's
     key, which the gateway accepts, when it checks keys."""
-    pem = tmp_path / "gateway.pem"
-    pem.write_text("-----BEGIN CERTIFICATE-----\n-----BEGIN PRIVATE KEY-----\n")
     env = {"GRPC_SSL_ROOT_CERT": "/ca.pem", "TRITON_INFERENCE_KEY": "k"}
     assert openai_env(env, GatewaySecurity()) == {"TRITON_INFERENCE_KEY": "k"}
-    tls = GatewaySecurity.from_env({"GATEWAY_SSL_CERT": str(pem)})
+    tls = GatewaySecurity.from_env({"GATEWAY_SSL_CERT": certificates["gateway"]})
     assert openai_env(env, tls) == env
     with pytest.raises(ValueError, match="^GRPC_SSL_ROOT_CERT: "):
         openai_env({"TRITON_INFERENCE_KEY": "k"}, tls)

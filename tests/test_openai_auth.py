@@ -20,6 +20,7 @@ import numpy as np
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from tls import make_ca, require_openssl
 
 from live import openai_api_process, scrape, wait_for
 from specdec import openai_api, openai_auth
@@ -271,8 +272,8 @@ class FakeCall:
 def test_triton_access_reaches_every_grpc_call(monkeypatch, tmp_path):
     """TRITON_INFERENCE_KEY goes as a header on each call the API makes to Triton, and
     GRPC_SSL_ROOT_CERT into the client; the API's own keys stay with the API."""
-    pem = tmp_path / "ca.pem"
-    pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    require_openssl()
+    pem, _ = make_ca(tmp_path, "ca")  # a real one: its dates are checked
     monkeypatch.setattr(openai_api.grpcaio, "InferenceServerClient", FakeTriton)
     monkeypatch.setattr(openai_api, "load_tokenizer", lambda path: None)
     FakeTriton.built, FakeTriton.headers = [], []

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import queue
 import secrets
-import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +19,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 from test_trtllm_compat import CHAT, stacked_inputs, texts_by_index
+from tls import make_ca, make_server_certificate, require_openssl
 from tritonclient.utils import InferenceServerException
 
 from live import openai_api_process
@@ -39,54 +38,15 @@ RESTRICTED = "This protocol is restricted, expecting header"
 MODEL = "smollm2-135m-instruct"  # the OpenAI API's name for the target checkpoint
 
 
-# -- a certificate authority and the server's certificate -----------------------------------
-
-
-def openssl(folder: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(folder: Path, name: str) -> Path:
-    """A self-signed CA (P-256): <name>.crt and <name>.key."""
-    openssl(
-        folder,
-        *("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"),
-        *("-nodes", "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2"),
-        *("-subj", f"/CN=specdec test {name}"),
-        *("-addext", "basicConstraints=critical,CA:TRUE"),
-        *("-addext", "keyUsage=critical,keyCertSign,cRLSign"),
-    )
-    return folder / f"{name}.crt"
-
-
-def make_server_certificate(folder: Path, ca: str) -> tuple[Path, Path]:
-    """server.crt (for 127.0.0.1 and localhost, signed by the CA `ca`) and server.key."""
-    (folder / "server.ext").write_text(
-        "subjectAltName = IP:127.0.0.1, DNS:localhost\n"
-        "basicConstraints = critical, CA:FALSE\n"
-        "keyUsage = critical, digitalSignature\n"
-        "extendedKeyUsage = serverAuth\n"
-    )
-    openssl(
-        folder,
-        *("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"),
-        *("-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"),
-    )
-    openssl(
-        folder,
-        *("x509", "-req", "-in", "server.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key"),
-        *("-CAcreateserial", "-days", "2", "-out", "server.crt", "-extfile", "server.ext"),
-    )
-    return folder / "server.crt", folder / "server.key"
+# -- a certificate authority and the server's certificate (tests/tls.py) ---------------
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Path]:
-    if shutil.which("openssl") is None:
-        pytest.fail("the openssl CLI is missing (apt-get install openssl; .ci/run installs it)")
+    require_openssl()
     folder = tmp_path_factory.mktemp("pki")
-    ca = make_ca(folder, "ca")
-    other_ca = make_ca(folder, "other-ca")
+    ca, _ = make_ca(folder, "ca")
+    other_ca, _ = make_ca(folder, "other-ca")
     cert, key = make_server_certificate(folder, "ca")
     return {"ca": ca, "other_ca": other_ca, "cert": cert, "key": key}
 

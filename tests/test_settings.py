@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tls import make_ca, make_server_certificate, require_openssl
 
 from specdec.paths import PROJECT_ROOT
 from specdec.server_config import (
@@ -161,10 +162,17 @@ def pem(label: str, body: bytes = b"\x30\x82" + bytes(range(64))) -> str:
 
 @pytest.fixture
 def tls_files(tmp_path) -> dict[str, Path]:
+    """Real certificates where their dates and key are read (made with openssl), PEM blocks
+    of any body where only the labels are."""
+    require_openssl()
+    made = tmp_path / "made"
+    made.mkdir()
+    ca, _ = make_ca(made, "ca")
+    cert, key = make_server_certificate(made, "ca")
     files = {
-        "cert": pem("CERTIFICATE"),
-        "chain": pem("CERTIFICATE") + pem("CERTIFICATE"),
-        "key": pem("PRIVATE KEY"),
+        "cert": cert.read_text(),
+        "chain": cert.read_text() + ca.read_text(),
+        "key": key.read_text(),
         "rsa_key": pem("RSA PRIVATE KEY"),
         "encrypted_key": pem("ENCRYPTED PRIVATE KEY"),
         "text": "not a certificate\n",

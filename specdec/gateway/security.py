@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.certificates import check_dates, check_key_pair
 from specdec.triton_access import GRPC_HEADER_PREFIX, INFERENCE_KEY_HEADER, TritonAccess
 
 # The key's header is the one Triton reads (our clients send it so, specdec/triton_access.py).
@@ -151,6 +152,8 @@ def read_certificate(path: str) -> Path:
         raise ValueError(
             f"GATEWAY_SSL_CERT: {path} must hold the certificate and its private key (PEM)"
         )
+    check_dates("GATEWAY_SSL_CERT", path)
+    check_key_pair("GATEWAY_SSL_CERT", path, "GATEWAY_SSL_CERT", path)
     return Path(path).absolute()
 
 
