@@ -43,7 +43,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.certificates import check_key_pair
+from specdec.certificates import check_dates, check_key_pair
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent
 from specdec.serving.settings import ENV_CHECKS
@@ -117,6 +117,7 @@ class ServerConfig:
         )
         if env.get("GRPC_SSL_CERT"):
             cert, key = env["GRPC_SSL_CERT"], env["GRPC_SSL_KEY"]
+            check_dates("GRPC_SSL_CERT", cert)  # refused here, not at each client's handshake
             check_key_pair("GRPC_SSL_CERT", cert, "GRPC_SSL_KEY", key)
             config.grpc_ssl_cert, config.grpc_ssl_key = Path(cert).absolute(), Path(key).absolute()
         if env.get("RUN_DIR"):

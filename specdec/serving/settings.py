@@ -16,8 +16,6 @@ import os
 import re
 from pathlib import Path
 
-from specdec.certificates import check_dates
-
 # response_thread "auto" turns the outbox's thread on from this many usable cores: on 2 cores
 # the server's work on the responses competes with the engine's threads (docs/benchmarks.md).
 RESPONSE_THREAD_MIN_CORES = 4
@@ -154,7 +152,6 @@ def parse_certificate_file(name: str, value: str) -> Path:
     """A PEM file with a certificate (Triton's gRPC certificate and its chain)."""
     if b"CERTIFICATE" not in pem_labels(name, value):
         raise ValueError(f"{name}: {value} holds no PEM certificate")
-    check_dates(name, value)  # expired or not valid yet: refused here, not at each handshake
     return Path(value)
 
 
