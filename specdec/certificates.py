@@ -11,15 +11,13 @@ Used for GRPC_SSL_CERT / GRPC_SSL_KEY (specdec/server_config.py), GRPC_SSL_ROOT_
 from __future__ import annotations
 
 import base64
-import re
 import ssl
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-CERTIFICATE_BLOCK = re.compile(
-    rb"-----BEGIN CERTIFICATE-----\r?\n(.*?)-----END CERTIFICATE-----", re.DOTALL
-)
+from specdec.serving.settings import PEM_BLOCK
+
 _SEQUENCE, _CONTEXT_0, _UTC_TIME, _GENERALIZED_TIME = 0x30, 0xA0, 0x17, 0x18
 
 
@@ -76,17 +74,35 @@ def validity(der: bytes) -> Validity:
     return Validity(not_before, not_after)
 
 
+def certificate_ders(pem: bytes) -> list[bytes]:
+    """The DER encodings of the CERTIFICATE blocks of a PEM text, in order (a body that is
+    not base64: binascii.Error, a ValueError)."""
+    return [
+        base64.b64decode(b"".join(body.split()), validate=True)
+        for label, body in PEM_BLOCK.findall(pem)
+        if label == b"CERTIFICATE"
+    ]
+
+
 def check_dates(name: str, path: str | Path, now: datetime | None = None) -> None:
     """Every certificate in the PEM file `path` is valid at `now` (default: the current
-    time); otherwise ValueError naming the setting, the file, which certificate and when."""
+    time); otherwise ValueError naming the setting, the file, which certificate and when (or
+    that the file cannot be read or holds none)."""
     now = now or datetime.now(timezone.utc)
-    blocks = CERTIFICATE_BLOCK.findall(Path(path).read_bytes())
-    if not blocks:
+    try:
+        pem = Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"{name}: cannot read {path}: {error}") from None
+    try:
+        ders = certificate_ders(pem)
+    except ValueError:
+        raise ValueError(f"{name}: {path}: a CERTIFICATE block that is not base64") from None
+    if not ders:
         raise ValueError(f"{name}: {path} holds no PEM certificate")
-    for number, body in enumerate(blocks, 1):
-        which = "the certificate" if len(blocks) == 1 else f"certificate {number} of {len(blocks)}"
+    for number, der in enumerate(ders, 1):
+        which = "the certificate" if len(ders) == 1 else f"certificate {number} of {len(ders)}"
         try:
-            dates = validity(base64.b64decode(b"".join(body.split())))
+            dates = validity(der)
         except (ValueError, IndexError, UnicodeDecodeError):
             raise ValueError(f"{name}: {path}: {which} cannot be read (not X.509 DER)") from None
         if now > dates.not_after:

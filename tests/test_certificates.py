@@ -6,16 +6,15 @@ openssl at run time; openssl's own reading of the dates is the reference."""
 
 from __future__ import annotations
 
-import base64
 import subprocess
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 from test_settings import assert_launch_refused
-from tls import make_ca, make_dated_certificate, make_server_certificate, require_openssl
+from tls import make_dated_certificate, make_pki
 
-from specdec.certificates import CERTIFICATE_BLOCK, check_dates, check_key_pair, validity
+from specdec.certificates import certificate_ders, check_dates, check_key_pair, validity
 from specdec.gateway.security import GatewaySecurity
 from specdec.server_config import ServerConfig
 from specdec.triton_access import AccessError, TritonAccess
@@ -26,15 +25,11 @@ FUTURE = ("20990101000000Z", "20991231000000Z")
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Path]:
-    require_openssl()
     folder = tmp_path_factory.mktemp("certificates")
-    ca, _ = make_ca(folder, "ca")
-    cert, key = make_server_certificate(folder, "ca")
-    _, other_key = make_ca(folder, "other")
-    expired, expired_key = make_dated_certificate(
-        folder, "expired", "20200101000000Z", "20200102000000Z"
-    )
-    future, _ = make_dated_certificate(folder, "future", "20990101000000Z", "20991231000000Z")
+    made = make_pki(folder)
+    ca, cert, key, other_key = made["ca"], made["cert"], made["key"], made["other_key"]
+    expired, expired_key = make_dated_certificate(folder, "expired", *EXPIRED)
+    future, _ = make_dated_certificate(folder, "future", *FUTURE)
     chain = folder / "chain.crt"  # the server's certificate, then an expired one
     chain.write_text(cert.read_text() + expired.read_text())
     gateway = folder / "gateway.pem"  # certificate and key in one file
@@ -66,8 +61,8 @@ def openssl_dates(path: Path) -> tuple[datetime, datetime]:
 @pytest.mark.parametrize("name", ["cert", "ca", "expired", "future"])
 def test_the_dates_are_those_openssl_reads(pki, name):
     """UTCTime (2020, now) and GeneralizedTime (2099) alike."""
-    (body,) = CERTIFICATE_BLOCK.findall(pki[name].read_bytes())
-    dates = validity(base64.b64decode(b"".join(body.split())))
+    (der,) = certificate_ders(pki[name].read_bytes())
+    dates = validity(der)
     assert (dates.not_before, dates.not_after) == openssl_dates(pki[name])
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 import tritonclient.grpc as grpcclient
-from tls import make_ca, make_server_certificate, require_openssl
+from tls import make_pki
 from tritonclient.utils import InferenceServerException
 
 from specdec.client import GenerationResult, StreamingClient, build_inputs, scrape_metrics
@@ -109,14 +109,10 @@ def metadata_status(url: str, key: str | None, root_cert: str | None = None) -> 
 def certificates(tmp_path_factory) -> dict[str, str]:
     """A CA; a certificate for 127.0.0.1 signed by it, which the replica serves gRPC with
     and the gateway its clients; another CA that signed nothing of theirs."""
-    require_openssl()
     d = tmp_path_factory.mktemp("tls")
-    ca, _ = make_ca(d, "ca")
-    other_ca, _ = make_ca(d, "other-ca")
-    cert, key = make_server_certificate(d, "ca")
-    gateway = d / "gateway.pem"  # HAProxy's: the certificate and its key in one file
-    gateway.write_text(cert.read_text() + key.read_text())
-    paths = {"ca": ca, "other_ca": other_ca, "cert": cert, "key": key, "gateway": gateway}
+    paths = make_pki(d)
+    paths["gateway"] = d / "gateway.pem"  # HAProxy's: the certificate and its key in one file
+    paths["gateway"].write_text(paths["cert"].read_text() + paths["key"].read_text())
     return {role: str(path) for role, path in paths.items()}
 
 

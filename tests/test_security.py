@@ -19,7 +19,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 from test_trtllm_compat import CHAT, stacked_inputs, texts_by_index
-from tls import make_ca, make_server_certificate, require_openssl
+from tls import make_pki
 from tritonclient.utils import InferenceServerException
 
 from live import openai_api_process
@@ -43,12 +43,7 @@ MODEL = "smollm2-135m-instruct"  # the OpenAI API's name for the target checkpoi
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, Path]:
-    require_openssl()
-    folder = tmp_path_factory.mktemp("pki")
-    ca, _ = make_ca(folder, "ca")
-    other_ca, _ = make_ca(folder, "other-ca")
-    cert, key = make_server_certificate(folder, "ca")
-    return {"ca": ca, "other_ca": other_ca, "cert": cert, "key": key}
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tls import make_ca, make_server_certificate, require_openssl
+from tls import make_pki
 
 from specdec.paths import PROJECT_ROOT
 from specdec.server_config import (
@@ -164,11 +164,9 @@ def pem(label: str, body: bytes = b"\x30\x82" + bytes(range(64))) -> str:
 def tls_files(tmp_path) -> dict[str, Path]:
     """Real certificates where their dates and key are read (made with openssl), PEM blocks
     of any body where only the labels are."""
-    require_openssl()
-    made = tmp_path / "made"
-    made.mkdir()
-    ca, _ = make_ca(made, "ca")
-    cert, key = make_server_certificate(made, "ca")
+    (tmp_path / "made").mkdir()
+    made = make_pki(tmp_path / "made")
+    ca, cert, key = made["ca"], made["cert"], made["key"]
     files = {
         "cert": cert.read_text(),
         "chain": cert.read_text() + ca.read_text(),

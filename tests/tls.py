@@ -76,6 +76,16 @@ def make_server_certificate(folder: Path, ca: str, name: str = "server") -> tupl
     return folder / f"{name}.crt", folder / f"{name}.key"
 
 
+def make_pki(folder: Path) -> dict[str, Path]:
+    """What the TLS tests share: a CA ("ca"), a server certificate for 127.0.0.1 signed by it
+    ("cert", "key"), and another CA that signed nothing of ours ("other_ca", "other_key")."""
+    require_openssl()
+    ca, _ = make_ca(folder, "ca")
+    other_ca, other_key = make_ca(folder, "other-ca")
+    cert, key = make_server_certificate(folder, "ca")
+    return {"ca": ca, "other_ca": other_ca, "other_key": other_key, "cert": cert, "key": key}
+
+
 def make_dated_certificate(folder: Path, name: str, start: str, end: str) -> tuple[Path, Path]:
     """A self-signed <name>.crt valid from `start` to `end` (openssl's YYYYMMDDHHMMSSZ), e.g.
     one that expired in 2020 or one not valid before 2099, and <name>.key."""
