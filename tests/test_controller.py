@@ -24,6 +24,38 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert curve.estimate(1) <= 0.02
 
 
+def test_serving_moves_a_calibrated_curve_by_rows_not_its_shape():
+    # Start-up: 64 rows cost 89.5 ms at one token each and 140.2 ms at two, on short
+    # contexts. Serving one token per row on long ones costs 166 ms: the 76.5 ms more is the
+    # rows' caches, which two tokens per row read as well.
+    curve = CostCurve()
+    curve.calibrate(64, 0.0895)
+    curve.calibrate(128, 0.1402)
+    curve.calibrate(128, 0.1398)  # 32 rows x 4 at start-up: averaged
+    assert curve.estimate(128) == pytest.approx(0.140)
+    for _ in range(30):
+        curve.observe(64, 0.166, rows=64)
+    assert curve.estimate(64, rows=64) == pytest.approx(0.166, rel=1e-3)
+    assert curve.estimate(128, rows=64) == pytest.approx(0.140 + 0.0765, rel=1e-3)
+    # Fewer rows read fewer caches: 16 rows borrow the per-row cost of the nearest bucket.
+    assert curve.estimate(32, rows=16) == pytest.approx(curve._shape(32) + 16 * 0.0765 / 64)
+
+
+def test_long_contexts_do_not_make_a_draft_token_per_row_look_free():
+    # bfloat16 chat at 64 streams (2026-12-04): plain decoding measured 166 ms a call while
+    # the curve kept start-up's 140 ms for 128 tokens, so k = 1 (140 + 15 ms of draft) looked
+    # cheaper than k = 0, and at 48% acceptance the loop drafted and lost 14%.
+    controller = AdaptiveController(8)
+    for rows, tokens, seconds in ((64, 1, 0.0895), (64, 2, 0.1402), (64, 9, 0.5382)):
+        controller.target_cost.calibrate(rows * tokens, seconds)
+    controller.draft_step_cost.calibrate(64, 0.015)
+    for i in range(60):
+        controller.observe_target(64, 0.166, rows=64)
+        controller.observe_verdict(1, int(i % 2 == 0))
+        controller.end_iteration(drafted=False)
+    assert controller.choose(64, []).k == 0
+
+
 def cpu_like_target(num_tokens: int) -> float:
     """Shaped like the embedded default: a fixed cost, then about 2 ms per token."""
     return 0.040 + 0.002 * num_tokens

@@ -21,21 +21,50 @@ from dataclasses import dataclass
 
 
 class CostCurve:
-    """Seconds per call by a size (tokens, rows), learnt online: an EMA per size observed,
-    linear interpolation between sizes, a least-squares line beyond them.
+    """Seconds per call by a size (tokens, rows). Its shape: points measured at start-up
+    (`calibrate`), or else learnt online (an EMA per size observed); linear interpolation
+    between sizes, a least-squares line beyond them.
 
     Extrapolation errs towards trying a size; once tried, the size is measured, so a wrong
     guess corrects itself in one iteration (a pessimistic guess would never be tested).
+
+    Start-up measures every size on short contexts at once. Serving's calls cost more, and
+    by about the same at every size for a given number of rows: each row reads its whole
+    cache once per call, however many tokens it verifies. So once calibrated, what serving
+    observes moves the level, not the shape: per batch-size bucket, an EMA of the seconds per
+    row a call costs beyond the start-up curve. (Learnt as points beside the start-up ones,
+    one row per token at 64 rows came from serving on long contexts and two from start-up on
+    short ones, and a draft token per row looked nearly free: docs/benchmarks.md.)
     """
 
     def __init__(self, weight: float = 0.2) -> None:
         self.weight = weight
         self.sizes: list[int] = []
         self.seconds: dict[int, float] = {}
+        self.calibrated = False
+        self.extra_per_row: dict[int, float] = {}  # by batch bucket, once calibrated
 
-    def observe(self, size: int, seconds: float) -> None:
+    def calibrate(self, size: int, seconds: float) -> None:
+        """A start-up measurement: a point of the shape (two at one size are averaged)."""
+        self.calibrated = True
+        self._add(size, seconds, 0.5)
+
+    def observe(self, size: int, seconds: float, rows: int | None = None) -> None:
+        """A call while serving, of `rows` rows (default: `size`, a curve by rows)."""
+        if not self.calibrated:
+            self._add(size, seconds, self.weight)
+            return
+        rows = rows or size
+        extra = (seconds - self._shape(size)) / rows
+        bucket = batch_bucket(rows)
+        previous = self.extra_per_row.get(bucket)
+        self.extra_per_row[bucket] = (
+            extra if previous is None else previous + self.weight * (extra - previous)
+        )
+
+    def _add(self, size: int, seconds: float, weight: float) -> None:
         if size in self.seconds:
-            self.seconds[size] += self.weight * (seconds - self.seconds[size])
+            self.seconds[size] += weight * (seconds - self.seconds[size])
         else:
             bisect.insort(self.sizes, size)
             self.seconds[size] = seconds
@@ -51,7 +80,19 @@ class CostCurve:
         slope = max(0.0, covariance / var)
         return max(0.0, mean_y - slope * mean_x), slope
 
-    def estimate(self, size: int) -> float | None:
+    def estimate(self, size: int, rows: int | None = None) -> float | None:
+        """Seconds of a call of `size` over `rows` rows (default: `size`)."""
+        shape = self._shape(size)
+        if shape is None or not self.extra_per_row:
+            return shape
+        bucket = batch_bucket(rows or size)
+        nearest = min(
+            self.extra_per_row, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)
+        )
+        extra = self.extra_per_row.get(bucket, self.extra_per_row[nearest])
+        return max(0.1 * shape, shape + (rows or size) * extra)
+
+    def _shape(self, size: int) -> float | None:
         if not self.sizes:
             return None
         if size in self.seconds:
@@ -187,8 +228,8 @@ class AdaptiveController:
     def observe_draft(self, num_rows: int, num_steps: int, seconds: float) -> None:
         self.draft_step_cost.observe(num_rows, seconds / num_steps)
 
-    def observe_target(self, num_tokens: int, seconds: float) -> None:
-        self.target_cost.observe(num_tokens, seconds)
+    def observe_target(self, num_tokens: int, seconds: float, rows: int | None = None) -> None:
+        self.target_cost.observe(num_tokens, seconds, rows)
 
     def observe_verdict(self, k: int, num_accepted: int) -> None:
         self.acceptance.observe(k, num_accepted)
@@ -306,7 +347,7 @@ class AdaptiveController:
     def _modelled_cost(self, k: int, num_adaptive: int, fixed_ks: list[int]) -> float | None:
         """Seconds of the draft and target calls of one pass, from the per-call curves."""
         verified = num_adaptive * (k + 1) + sum(f + 1 for f in fixed_ks)
-        target = self.target_cost.estimate(verified)
+        target = self.target_cost.estimate(verified, num_adaptive + len(fixed_ks))
         if target is None:
             return None
         draft_rows = (num_adaptive if k else 0) + sum(1 for f in fixed_ks if f)

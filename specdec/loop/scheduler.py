@@ -181,7 +181,7 @@ class SpeculativeScheduler:
         calibration = calibrate(self.engines, plan, with_draft, clock)
         self.engines.take_counts()  # not the first iteration's
         for (rows, tokens), seconds in calibration.target.items():
-            self.target_cost.observe(rows * tokens, seconds)
+            self.target_cost.calibrate(rows * tokens, seconds)
         for proposer in self.proposers.values():
             proposer.calibrated(calibration)
         return calibration
@@ -218,7 +218,7 @@ class SpeculativeScheduler:
         for sequence, num_tokens in chunks:  # their prompts' positions, written; no output
             sequence.target_cache_length += num_tokens
         if steady:
-            self.target_cost.observe(len(target_batch.input_ids), target_seconds)
+            self.target_cost.observe(len(target_batch.input_ids), target_seconds, len(batch))
         num_draft_calls, draft_bytes, target_bytes = self.engines.take_counts()
         stats = IterationStats(
             batch_size=len(batch),

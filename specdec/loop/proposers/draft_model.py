@@ -117,7 +117,7 @@ class DraftModelProposer(Proposer):
 
     def calibrated(self, calibration: Calibration) -> None:
         for rows, seconds in calibration.draft_step.items():
-            self.controller.observe_draft(rows, 1, seconds)
+            self.controller.draft_step_cost.calibrate(rows, seconds)
 
     def observe(self, sequence: SequenceState, k: int, num_accepted: int) -> None:
         self.controller.observe_verdict(k, num_accepted)

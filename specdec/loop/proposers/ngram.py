@@ -217,7 +217,7 @@ class NgramProposer(Proposer):
         if curve.sizes and curve.sizes[-1] <= batch_size:
             plain = curve.estimate(batch_size)
             return lambda num_tokens: plain
-        return curve.estimate
+        return lambda num_tokens: curve.estimate(num_tokens, batch_size)
 
     def propose(
         self, rows: list[SequenceState], ks: list[int], copies: list[CacheCopy]
