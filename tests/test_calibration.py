@@ -15,12 +15,14 @@ from specdec.text.request import GenerationRequest
 
 class ClockedEngines(FakeEngines):
     """FakeEngines whose calls advance a scripted clock by a cost of their shape: the target
-    by tokens fed (`fixed` seconds + 1 ms per token), the draft by rows and steps."""
+    by tokens fed (`fixed` seconds + 1 ms per token, + `width` seconds per width of rows
+    after the first), the draft by rows and steps."""
 
-    def __init__(self, num_slots: int, fixed: float = 0.010) -> None:
+    def __init__(self, num_slots: int, fixed: float = 0.010, width: float = 0.004) -> None:
         super().__init__(num_slots)
         self.now = 0.0
         self.fixed = fixed
+        self.width = width
 
     def clock(self) -> float:
         return self.now
@@ -33,7 +35,8 @@ class ClockedEngines(FakeEngines):
         return 0.002 + 0.0001 * rows
 
     def target(self, batch):
-        self.now += self.target_cost(len(batch.input_ids))
+        widths = len(set(batch.input_lengths.tolist()))
+        self.now += self.target_cost(len(batch.input_ids)) + self.width * (widths - 1)
         return super().target(batch)
 
     def draft(self, batch):
@@ -60,6 +63,13 @@ def test_each_shape_is_timed_on_its_second_call_and_the_slots_hold_a_context():
     assert set(result.draft_step) == {1, 2, 4, 8}
     for rows, seconds in result.draft_step.items():
         assert seconds == pytest.approx(engines.draft_step_cost(rows))
+    # One row of 5 tokens among single ones: its tokens, and a second width.
+    assert set(result.ragged) == {2, 4, 8}
+    for rows, (width, seconds) in result.ragged.items():
+        assert width == 5
+        assert seconds == pytest.approx(engines.target_cost(rows + 4) + engines.width)
+    assert result.width_costs() == pytest.approx({2: 0.004, 4: 0.004, 8: 0.004})
+    assert "a second width in a verify ms by rows [2: 4.0, 4: 4.0, 8: 4.0]" in result.summary()
     assert result.skipped == 0
     # Every timed call ran after the context: each slot was given CONTEXT_TOKENS positions
     # once (FakeEngines refuses a cache length beyond what a slot holds).
@@ -83,8 +93,9 @@ def test_the_budget_keeps_the_small_batches_and_says_what_it_skipped():
     for rows in measured_rows - {max(measured_rows)}:
         assert {(rows, t) for t in plan.tokens_per_row} <= set(result.target)
     assert all(len(engines.target_cache[s]) == 0 for s in range(max(measured_rows), 64))
-    total = len(plan.rows) * (len(plan.tokens_per_row) + 1)
-    assert result.skipped == total - len(result.target) - len(result.draft_step) > 0
+    total = len(plan.rows) * (len(plan.tokens_per_row) + 2) - 1  # no ragged verify of 1 row
+    measured = len(result.target) + len(result.draft_step) + len(result.ragged)
+    assert result.skipped == total - measured > 0
     assert "skipped" in result.summary()
 
 
@@ -114,6 +125,8 @@ def test_the_scheduler_gives_the_measurements_to_the_curves_and_still_decodes_ex
     )
     controller = scheduler.proposers["draft_model"].controller
     assert controller.draft_step_cost.estimate(16) == pytest.approx(calibration.draft_step[16])
+    # Prompt lookup prices a second width of rows in a verify at what start-up measured.
+    assert scheduler.proposers["ngram"].width_cost.estimate(16) == pytest.approx(engines.width)
     # What calibration left in the slots changes nothing: every sequence decodes the oracle's.
     sequences = [scheduler.submit(r) for r in requests(16)]
     while scheduler.has_work:

@@ -73,6 +73,19 @@ def test_plan_needs_the_margin():
     assert plan_ngram_tokens([candidate], 1, cost, margin=1.4) == {}
 
 
+def test_plan_prices_each_width_of_rows():
+    # 16 rows at 1 + 0.01 per token. One row's 4 tokens at 90% pay on tokens alone, not with
+    # an attention call for their width costing 0.15; eight rows' single tokens at 70% share
+    # one width, and pay with it.
+    cost = flat_cost(0.01)
+    one_long = [NgramCandidate(row=0, max_tokens=4, rates=[0.9] * 4)]
+    assert plan_ngram_tokens(one_long, 16, cost, margin=1.05) == {0: 4}
+    assert plan_ngram_tokens(one_long, 16, cost, margin=1.05, width_cost=0.15) == {}
+    eight_short = [NgramCandidate(row=r, max_tokens=1, rates=[0.7]) for r in range(8)]
+    plan = plan_ngram_tokens(eight_short, 16, cost, margin=1.05, width_cost=0.15)
+    assert plan == {r: 1 for r in range(8)}
+
+
 def copying_oracle(tokens: list[int]) -> int:
     """A target that repeats the last 7 tokens: its output copies its prompt."""
     return tokens[-7] if len(tokens) >= 7 else (tokens[-1] + 1) % fakes.VOCAB

@@ -14,7 +14,12 @@ smallest first, it gives the slots it has not used yet a short context (CONTEXT_
 prefill), then times
 - the draft: one call of max_k steps after one fed token (per step);
 - the target at each tokens per row of the plan: a verify of tokens - 1 proposals, as the
-  curve keys it (tokens verified in all).
+  curve keys it (tokens verified in all);
+Then, for each batch size again, a ragged verify: every row one token but one of max_k + 1.
+The engine runs one attention call per width of rows, so a second width costs more than its
+tokens (bfloat16, 16 rows of 300 positions, 2 cores: one row of 5 tokens among single ones
+cost 7 ms more than 16 single tokens, what 9 more tokens cost in rows of two). Prompt
+lookup, whose rows propose different numbers of tokens, prices that (proposers/ngram.py).
 Each shape gets one untimed call first (a shape's first call pays allocations), and the plan
 stops once `budget_s` is spent, so that a slow host measures the small batches and a GPU
 all of them: what is not measured is extrapolated by the curves, as before. The slots'
@@ -66,6 +71,8 @@ class Calibration:
 
     target: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens/row)
     draft_step: dict[int, float] = field(default_factory=dict)  # rows -> seconds per step
+    # rows -> (width, seconds): rows - 1 single-token rows and one row of `width` tokens
+    ragged: dict[int, tuple[int, float]] = field(default_factory=dict)
     seconds: float = 0.0  # all of it, prefill included
     skipped: int = 0  # shapes the budget left out
 
@@ -74,11 +81,30 @@ class Calibration:
         target = ", ".join(f"{r}x{t}: {s * 1e3:.1f}" for (r, t), s in sorted(self.target.items()))
         draft = ", ".join(f"{r}: {s * 1e3:.1f}" for r, s in sorted(self.draft_step.items()))
         draft = draft or "none measured"
+        widths = ", ".join(f"{r}: {s * 1e3:.1f}" for r, s in sorted(self.width_costs().items()))
         skipped = f"; {self.skipped} shapes over the budget skipped" if self.skipped else ""
         return (
             f"start-up costs in {self.seconds:.1f} s: target call ms by rows x tokens per row "
-            f"[{target}]; draft step ms by rows [{draft}]{skipped}"
+            f"[{target}]; draft step ms by rows [{draft}]; a second width in a verify ms by "
+            f"rows [{widths or 'none measured'}]{skipped}"
         )
+
+    def width_costs(self) -> dict[int, float]:
+        """By rows: what a verify pays for one more width of rows, beyond its tokens (the
+        engine runs an attention call per width): the ragged verify against a uniform one
+        of as many tokens over as many rows, interpolated between the rows' own timings."""
+        costs = {}
+        for rows, (width, seconds) in self.ragged.items():
+            points = sorted((t, s) for (r, t), s in self.target.items() if r == rows)
+            tokens_per_row = 1 + (width - 1) / rows  # the ragged verify's average
+            below = [p for p in points if p[0] <= tokens_per_row]
+            above = [p for p in points if p[0] >= tokens_per_row]
+            if not below or not above:
+                continue
+            (t0, s0), (t1, s1) = below[-1], above[0]
+            uniform = s0 if t1 == t0 else s0 + (s1 - s0) * (tokens_per_row - t0) / (t1 - t0)
+            costs[rows] = max(0.0, seconds - uniform)
+        return costs
 
 
 def calibration_batch(
@@ -105,6 +131,15 @@ def calibration_batch(
     )
 
 
+def ragged_batch(rows: int, width: int) -> EngineBatch:
+    """Calibration rows of one token each but the last, of `width` tokens: a verify in
+    which one row has proposals (the engine runs one attention call per width)."""
+    batch = calibration_batch(rows, 1, CONTEXT_TOKENS, 1)
+    batch.input_lengths[-1] = batch.num_steps[-1] = width
+    batch.input_ids = np.full(rows - 1 + width, FILLER_TOKEN, dtype=np.int64)
+    return batch
+
+
 def calibrate(
     engines: Engines,
     plan: CalibrationPlan,
@@ -116,9 +151,14 @@ def calibrate(
     result = Calibration()
     started = clock()
     with_draft = with_draft and plan.draft_steps > 0
-    shapes: list[tuple[int, int | None]] = [(rows, None) for rows in plan.rows if with_draft]
-    shapes += [(rows, tokens) for rows in plan.rows for tokens in plan.tokens_per_row]
-    shapes.sort(key=lambda shape: (shape[0], shape[1] or 0))  # by rows, the draft first
+    # (rows, kind, tokens per row); kind 0: the draft, 1: the target, 2: a ragged verify
+    shapes = [(rows, 0, 0) for rows in plan.rows if with_draft]
+    shapes += [(rows, 1, tokens) for rows in plan.rows for tokens in plan.tokens_per_row]
+    if plan.draft_steps > 0:
+        shapes += [(rows, 2, plan.draft_steps + 1) for rows in plan.rows if rows > 1]
+    # By rows, the draft first; the ragged verifies after all the others: what the budget
+    # leaves out of them is a small correction, extrapolated from the smaller batches.
+    shapes.sort(key=lambda shape: (shape[1] == 2, shape))
     prefilled = 0  # slots below this hold CONTEXT_TOKENS positions in both engines
 
     def timed(call, batch: EngineBatch) -> float:
@@ -127,7 +167,7 @@ def calibrate(
         call(batch)
         return clock() - start
 
-    for i, (rows, tokens) in enumerate(shapes):
+    for i, (rows, kind, tokens) in enumerate(shapes):
         if clock() - started > plan.budget_s:
             result.skipped = len(shapes) - i
             break
@@ -138,11 +178,13 @@ def calibrate(
                 context.num_steps[:] = 0  # the draft only caches the context
                 engines.draft(context)
             prefilled = rows
-        if tokens is None:
+        if kind == 0:
             batch = calibration_batch(rows, 1, CONTEXT_TOKENS, plan.draft_steps)
             result.draft_step[rows] = timed(engines.draft, batch) / plan.draft_steps
-        else:
+        elif kind == 1:
             batch = calibration_batch(rows, tokens, CONTEXT_TOKENS, tokens)
             result.target[(rows, tokens)] = timed(engines.target, batch)
+        else:
+            result.ragged[rows] = (tokens, timed(engines.target, ragged_batch(rows, tokens)))
     result.seconds = clock() - started
     return result

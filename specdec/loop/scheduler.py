@@ -237,6 +237,7 @@ class SpeculativeScheduler:
                 busy=time.perf_counter() - step_start,
                 batch_size=len(batch),
                 num_tokens=len(target_batch.input_ids),
+                num_widths=len(set(target_batch.input_lengths.tolist())),
                 model_drafted=calls_a_model,
             )
         for proposer in self.proposers.values():

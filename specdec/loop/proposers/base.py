@@ -50,6 +50,7 @@ class TimedStep:
     busy: float  # seconds inside step(); a much longer gap means the loop idled after it
     batch_size: int
     num_tokens: int  # tokens the target verified
+    num_widths: int  # distinct tokens-per-row in the verify (an attention call each)
     model_drafted: bool  # a proposer called a model
 
 

@@ -27,6 +27,7 @@ from specdec.loop.sequence import CacheCopy, SequenceState
 
 if TYPE_CHECKING:
     from specdec.engines.wire import Engines
+    from specdec.loop.calibration import Calibration
     from specdec.loop.config import SchedulerConfig
 
 DEFAULT_MATCH_LENGTHS = (3, 2, 1)  # tried longest first: a longer match is a surer guess
@@ -83,14 +84,16 @@ def plan_ngram_tokens(
     batch_size: int,
     target_cost: Callable[[int], float | None],  # seconds of a verify of this many tokens
     margin: float,
+    width_cost: float = 0.0,
 ) -> dict[int, int]:
     """Draft tokens per candidate row (row -> k, only rows with k > 0).
 
     Tokens are taken in order of their expected gain (row r's j-th proposal adds
     prod_{i<=j} rates_r[i] expected tokens), and the plan stops at the prefix of that order
-    with the best goodput, (batch_size + gains) / target_cost(batch_size + tokens). It is
-    used only if that beats plain decoding's batch_size / target_cost(batch_size) by
-    `margin`."""
+    with the best goodput, (batch_size + gains) / cost, where cost is target_cost(batch_size
+    + tokens) plus `width_cost` for each width of rows beyond the single-token one (the
+    engine runs an attention call per width: specdec/loop/calibration.py). It is used only
+    if that beats plain decoding's batch_size / target_cost(batch_size) by `margin`."""
     gains = []
     for candidate in candidates:
         survive = 1.0
@@ -103,11 +106,21 @@ def plan_ngram_tokens(
     gains.sort(reverse=True)  # within a row gains only fall, so each row takes a prefix
     plain_goodput = batch_size / plain_cost
     best_goodput, best_count, expected = plain_goodput * margin, 0, float(batch_size)
-    for count, (gain, _, _) in enumerate(gains, start=1):
+    widths = {1: batch_size}  # rows by tokens verified
+    row_widths: dict[int, int] = {}
+    for count, (gain, _, row) in enumerate(gains, start=1):
         expected += gain
+        width = row_widths.get(row, 1)
+        widths[width] -= 1
+        if not widths[width]:
+            del widths[width]
+        row_widths[row] = width + 1
+        widths[width + 1] = widths.get(width + 1, 0) + 1
         cost = target_cost(batch_size + count)
-        if cost and expected / cost > best_goodput:
-            best_goodput, best_count = expected / cost, count
+        if cost:
+            cost += width_cost * (len(widths) - 1)
+            if expected / cost > best_goodput:
+                best_goodput, best_count = expected / cost, count
     plan: dict[int, int] = {}
     for _, _, row in gains[:best_count]:
         plan[row] = plan.get(row, 0) + 1
@@ -160,6 +173,10 @@ class NgramProposer(Proposer):
         # prices its tokens by. The target call alone sees neither the loop's own work per
         # proposed token nor what every iteration pays (docs/benchmarks.md, 2026-12-02).
         self.iteration_cost_by_tokens = CostCurve()
+        # What a verify pays for each width of rows beyond the first, by rows (start-up's
+        # measurement; none without it): priced by the plan, taken out of the iterations the
+        # curve above learns, which are keyed by tokens alone.
+        self.width_cost = CostCurve()
 
     def _look_up(self, candidate: Candidate) -> NgramRow:
         """The row's lookup of up to max_k tokens, not yet chosen for the verify."""
@@ -190,7 +207,13 @@ class NgramProposer(Proposer):
                 options.append(NgramCandidate(i, len(row.proposal), rates))
         if not options:
             return {}
-        plan = plan_ngram_tokens(options, batch_size, self._verify_cost(batch_size), NGRAM_MARGIN)
+        plan = plan_ngram_tokens(
+            options,
+            batch_size,
+            self._verify_cost(batch_size),
+            NGRAM_MARGIN,
+            self.width_cost.estimate(batch_size) or 0.0,
+        )
         ks = {}
         for option in options:
             row = self.rows[candidates[option.row].sequence.id]
@@ -231,9 +254,14 @@ class NgramProposer(Proposer):
         row.acceptance.observe(k, num_accepted)
         self.acceptance[row.index.match_length].observe(k, num_accepted)
 
+    def calibrated(self, calibration: Calibration) -> None:
+        for rows, seconds in calibration.width_costs().items():
+            self.width_cost.calibrate(rows, seconds)
+
     def observe_iteration(self, step: TimedStep, seconds: float) -> None:
         if not step.model_drafted:
-            self.iteration_cost_by_tokens.observe(step.num_tokens, seconds)
+            widths = (self.width_cost.estimate(step.batch_size) or 0.0) * (step.num_widths - 1)
+            self.iteration_cost_by_tokens.observe(step.num_tokens, seconds - widths)
 
     def release(self, sequence: SequenceState) -> None:
         self.rows.pop(sequence.id, None)
