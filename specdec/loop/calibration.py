@@ -15,11 +15,13 @@ prefill), then times
 - the draft: one call of max_k steps after one fed token (per step);
 - the target at each tokens per row of the plan: a verify of tokens - 1 proposals, as the
   curve keys it (tokens verified in all);
-Then, for each batch size again, a ragged verify: every row one token but one of max_k + 1.
-The engine runs one attention call per width of rows, so a second width costs more than its
-tokens (bfloat16, 16 rows of 300 positions, 2 cores: one row of 5 tokens among single ones
-cost 7 ms more than 16 single tokens, what 9 more tokens cost in rows of two). Prompt
-lookup, whose rows propose different numbers of tokens, prices that (proposers/ngram.py).
+- a ragged verify (batch sizes of 2 rows or more): every row one token but one of max_k + 1.
+  The engine runs one attention call per width of rows, so a second width costs more than
+  its tokens (bfloat16, 16 rows of 300 positions, 2 cores: one row of 5 tokens among single
+  ones cost 7 ms more than 16 single tokens, what 9 more tokens cost in rows of two).
+  Prompt lookup, whose rows propose different numbers of tokens, prices that
+  (proposers/ngram.py). It comes with its batch size, not after all the others: put last,
+  a 5-s budget on 2 cores never reached it, and the price was never set.
 Each shape gets one untimed call first (a shape's first call pays allocations), and the plan
 stops once `budget_s` is spent, so that a slow host measures the small batches and a GPU
 all of them: what is not measured is extrapolated by the curves, as before. The slots'
@@ -156,9 +158,7 @@ def calibrate(
     shapes += [(rows, 1, tokens) for rows in plan.rows for tokens in plan.tokens_per_row]
     if plan.draft_steps > 0:
         shapes += [(rows, 2, plan.draft_steps + 1) for rows in plan.rows if rows > 1]
-    # By rows, the draft first; the ragged verifies after all the others: what the budget
-    # leaves out of them is a small correction, extrapolated from the smaller batches.
-    shapes.sort(key=lambda shape: (shape[1] == 2, shape))
+    shapes.sort()  # by rows: the draft, the target, then the ragged verify
     prefilled = 0  # slots below this hold CONTEXT_TOKENS positions in both engines
 
     def timed(call, batch: EngineBatch) -> float:
