@@ -51,11 +51,12 @@ class CostCurve:
 
     def observe(self, size: int, seconds: float, rows: int | None = None) -> None:
         """A call while serving, of `rows` rows (default: `size`, a curve by rows)."""
-        if not self.calibrated:
+        shape = self._shape(size) if self.calibrated else None
+        if shape is None:
             self._add(size, seconds, self.weight)
             return
         rows = rows or size
-        extra = (seconds - self._shape(size)) / rows
+        extra = (seconds - shape) / rows
         bucket = batch_bucket(rows)
         previous = self.extra_per_row.get(bucket)
         self.extra_per_row[bucket] = (
