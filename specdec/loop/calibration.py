@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.engines.wire import EngineBatch, Engines
+from specdec.loop.controller import CostCurve
 
 CONTEXT_TOKENS = 8  # positions each calibration row has before the timed calls
 ROWS_CAP = 64  # beyond this many rows the curves extrapolate (linear in tokens)
@@ -97,15 +98,13 @@ class Calibration:
         of as many tokens over as many rows, interpolated between the rows' own timings."""
         costs = {}
         for rows, (width, seconds) in self.ragged.items():
-            points = sorted((t, s) for (r, t), s in self.target.items() if r == rows)
-            tokens_per_row = 1 + (width - 1) / rows  # the ragged verify's average
-            below = [p for p in points if p[0] <= tokens_per_row]
-            above = [p for p in points if p[0] >= tokens_per_row]
-            if not below or not above:
-                continue
-            (t0, s0), (t1, s1) = below[-1], above[0]
-            uniform = s0 if t1 == t0 else s0 + (s1 - s0) * (tokens_per_row - t0) / (t1 - t0)
-            costs[rows] = max(0.0, seconds - uniform)
+            uniform = CostCurve()  # by tokens, over this many rows only
+            for (r, tokens_per_row), s in self.target.items():
+                if r == rows:
+                    uniform.calibrate(rows * tokens_per_row, s)
+            estimate = uniform.estimate(rows - 1 + width)
+            if estimate is not None:
+                costs[rows] = max(0.0, seconds - estimate)
         return costs
 
 

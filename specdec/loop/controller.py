@@ -86,12 +86,15 @@ class CostCurve:
         shape = self._shape(size)
         if shape is None or not self.extra_per_row:
             return shape
-        bucket = batch_bucket(rows or size)
-        nearest = min(
-            self.extra_per_row, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)
-        )
-        extra = self.extra_per_row.get(bucket, self.extra_per_row[nearest])
-        return max(0.1 * shape, shape + (rows or size) * extra)
+        rows = rows or size
+        bucket = batch_bucket(rows)
+        extra = self.extra_per_row.get(bucket)
+        if extra is None:  # the nearest bucket measured
+            nearest = min(
+                self.extra_per_row, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b)
+            )
+            extra = self.extra_per_row[nearest]
+        return max(0.1 * shape, shape + rows * extra)
 
     def _shape(self, size: int) -> float | None:
         if not self.sizes:
