@@ -71,12 +71,20 @@ class ManagedServer:
         while time.time() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"tritonserver exited with {self.process.returncode}; see {self.log_path}"
+                    f"tritonserver exited with {self.process.returncode}; see {self.log_path}, "
+                    f"which ends:\n{self.log_tail()}"
                 )
             if self.ready and self.calibrated:
                 return
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout} s; see {self.log_path}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of server.log, for an error raised where the log is out of reach
+        (a CI machine)."""
+        self.log.flush()
+        text = self.log_path.read_bytes().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
     @property
     def url(self) -> str:

@@ -7,6 +7,7 @@ Used by the harness (specdec/harness.py), the supervisor (specdec/launch.py) and
 from __future__ import annotations
 
 import ctypes
+import random
 import re
 import signal
 import socket
@@ -39,10 +40,32 @@ def terminate(process: subprocess.Popen, timeout: float) -> None:
         process.wait()
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, below the kernel's ephemeral range and never
+    handed out before by this process. A port from bind(0) is an ephemeral one: the
+    connections a test or a server opens while the server loads (readiness polls, metrics
+    scrapes) draw their local ports from that same range and could take it first, and two
+    calls could return the same port; either made a server exit with 1 before it was up."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(1000):
+        port = random.randrange(10000, max(low, 10001))
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError(f"no free loopback port in 10000-{low - 1}")
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
