@@ -16,19 +16,23 @@ from specdec.text.request import GenerationRequest
 class ClockedEngines(FakeEngines):
     """FakeEngines whose calls advance a scripted clock by a cost of their shape: the target
     by tokens fed (`fixed` seconds + 1 ms per token, + `width` seconds per width of rows
-    after the first), the draft by rows and steps."""
+    after the first, + `small_product` seconds for a call of 2 tokens or more, like float32's
+    slow path for a small matrix product on 2 cores), the draft by rows and steps."""
 
-    def __init__(self, num_slots: int, fixed: float = 0.010, width: float = 0.004) -> None:
+    def __init__(
+        self, num_slots: int, fixed: float = 0.010, width: float = 0.004, small_product=0.0
+    ) -> None:
         super().__init__(num_slots)
         self.now = 0.0
         self.fixed = fixed
         self.width = width
+        self.small_product = small_product
 
     def clock(self) -> float:
         return self.now
 
     def target_cost(self, tokens: int) -> float:
-        return self.fixed + 0.001 * tokens
+        return self.fixed + 0.001 * tokens + (self.small_product if tokens >= 2 else 0.0)
 
     @staticmethod
     def draft_step_cost(rows: int) -> float:
@@ -186,11 +190,11 @@ def test_a_fresh_servers_lookups_bet_only_where_a_token_costs_little(monkeypatch
     assert first_step_lookup_tokens(rows=16) > 0
 
 
-def iterations_with_lookups(monkeypatch, steps: int, rows: int) -> int:
+def iterations_with_lookups(monkeypatch, steps: int, rows: int, small_product=0.0) -> int:
     """Steps in which prompt lookup proposed, over `steps` steps of `rows` requests that join
     one per step and whose lookups are never accepted (the scripted target does not repeat
     the prompt); the loop times its steps by the scripted clock."""
-    engines = ClockedEngines(num_slots=16, fixed=0.0373)
+    engines = ClockedEngines(num_slots=16, fixed=0.0373, small_product=small_product)
     monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", engines.clock)
     config = adaptive_config()
     config.proposers = ("ngram",)
@@ -202,6 +206,8 @@ def iterations_with_lookups(monkeypatch, steps: int, rows: int) -> int:
             prompt = [5 + step, 6, 7, 5 + step, 6, 7, 5 + step, 6]
             scheduler.submit(GenerationRequest(None, prompt, 200))
         scheduler.step()
+        if scheduler.last_iteration is None:  # every request finished
+            break
         proposing += scheduler.last_iteration.num_draft_tokens > 0
     return proposing
 
@@ -214,3 +220,14 @@ def test_lookup_probes_come_about_once_per_sixteen_steps_whatever_the_batch(monk
     probed in most steps."""
     assert iterations_with_lookups(monkeypatch, 96, rows=1) <= 96 // ngram.NGRAM_PROBE_EVERY
     assert iterations_with_lookups(monkeypatch, 96, rows=16) <= 96 // ngram.NGRAM_PROBE_EVERY
+
+
+def test_lookup_probes_space_out_where_one_more_token_costs_a_lot(monkeypatch):
+    """float32 on 2 cores, 1 row: a verify of two tokens cost 86 ms against a plain step's
+    50, so a probe every 16 steps cost 4% of the time. Probes then come as rarely as keeps
+    them within NGRAM_PROBE_BUDGET (1%) of plain decoding's time, as start-up measured it:
+    here 36 ms more on 38 ms, one probe in about 94 steps."""
+    steps = 192  # a request's 200 tokens
+    assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) <= 3
+    monkeypatch.setattr(ngram, "NGRAM_PROBE_BUDGET", float("inf"))  # every 16 steps
+    assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) >= 10

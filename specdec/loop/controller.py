@@ -121,15 +121,29 @@ class AcceptanceWindow:
     estimate stays what it was (a probe refreshes it), instead of fading back to the prior
     and luring the controller into speculating again on the strength of one lucky probe.
     A weak prior (`prior_weight` pseudo-observations of `prior`) keeps one sample from
-    reading as certainty.
+    reading as certainty. A cold prior (`cold_weight` pseudo-observations of `cold_prior`
+    at the first position) is where a fresh window starts; unlike the weak prior it fades
+    like an observation does, so it rules only until there is evidence: a few lucky first
+    samples on a fresh server do not read as a high rate, and a long-running one is judged by
+    its own. Only the first position has one: probes observe it without drafting, while a
+    later position is observed only by drafting that far, which a cold prior there would
+    stop for good.
     """
 
     def __init__(
-        self, max_k: int, window: int = 48, prior: float = 0.5, prior_weight: float = 2.0
+        self,
+        max_k: int,
+        window: int = 48,
+        prior: float = 0.5,
+        prior_weight: float = 2.0,
+        cold_prior: float = 0.0,
+        cold_weight: float = 0.0,
     ) -> None:
         self.decay = 1.0 - 1.0 / window
         self.prior = prior
         self.prior_weight = prior_weight
+        self.cold_prior = cold_prior
+        self.cold = cold_weight  # what is left of the cold prior (first position)
         self.accepted = [0.0] * max_k
         self.tried = [0.0] * max_k
 
@@ -137,6 +151,8 @@ class AcceptanceWindow:
         for i in range(min(k, num_accepted + 1)):  # positions after a rejection are unseen
             self.tried[i] = self.tried[i] * self.decay + 1
             self.accepted[i] = self.accepted[i] * self.decay + (i < num_accepted)
+        if k > 0:
+            self.cold *= self.decay
 
     def observe_first(self, hits: int, total: int) -> None:
         """`total` samples of position 1 at once (a draft's hindsight guesses), `hits` right;
@@ -147,16 +163,20 @@ class AcceptanceWindow:
         weight = (1 - kept) / (1 - self.decay)  # sum of decay**i, i < total
         self.tried[0] = self.tried[0] * kept + weight
         self.accepted[0] = self.accepted[0] * kept + weight * hits / total
+        self.cold *= kept
 
     def rates(self, prior: list[float] | None = None) -> list[float]:
         """Per position; an unseen position borrows the rate of the last seen one. `prior`:
         per-position rates to shrink towards instead of the constant one (a row's own
-        window shrinks towards every row's)."""
+        window shrinks towards every row's). What is left of the cold prior counts at the
+        first position, seen or not."""
         rates, last = [], self.prior
         for i, (accepted, tried) in enumerate(zip(self.accepted, self.tried, strict=True)):
             position_prior = self.prior if prior is None else prior[i]
-            if tried > 0:
-                last = (accepted + position_prior * self.prior_weight) / (tried + self.prior_weight)
+            cold = self.cold if i == 0 else 0.0
+            if tried > 0 or cold > 0:
+                pseudo = position_prior * self.prior_weight + self.cold_prior * cold
+                last = (accepted + pseudo) / (tried + self.prior_weight + cold)
             elif prior is not None:
                 last = position_prior
             rates.append(last)
@@ -184,6 +204,13 @@ LONGER_K_MARGIN = 1.03
 # one lucky probe must not read as high acceptance.
 EARLY_SAMPLES = 8
 EARLY_PROBE_EVERY = 4
+# Where the draft's acceptance starts on a fresh server: 16 pseudo-observations of 0.25, which
+# fade as verdicts come (AcceptanceWindow's cold prior). The first probes of a fresh server
+# see the opening of its first answer, which a draft guesses far better than what follows (a
+# cold chat burst: 8 early hindsight verdicts read as alpha > 0.7, then the draft's own
+# tokens were accepted 2 times in 9), so that evidence alone must not start drafting.
+DRAFT_COLD_PRIOR = 0.25
+DRAFT_COLD_WEIGHT = 16.0
 # Probes may cost at most this share of plain decoding's time. A probe costs the draft
 # catching up on every token since its last call, and brings up to HINDSIGHT_TOKENS
 # first-position verdicts, so rare probes still see plenty.
@@ -214,7 +241,9 @@ class AdaptiveController:
         measures it for every proposer (a curve of its own if None)."""
         self.max_k = max_k
         self.probe_every = probe_every
-        self.acceptance = AcceptanceWindow(max_k)
+        self.acceptance = AcceptanceWindow(
+            max_k, cold_prior=DRAFT_COLD_PRIOR, cold_weight=DRAFT_COLD_WEIGHT
+        )
         self.draft_step_cost = CostCurve()  # by number of draft rows
         self.target_cost = CostCurve() if target_cost is None else target_cost
         # Whole iterations as they really cost, by (batch-size bucket, k): catch-up draft

@@ -17,6 +17,7 @@ positions 0-1, followed by 2, 9, 5, 8; with k = 3 the lookup proposes [2, 9, 5].
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -137,6 +138,10 @@ NGRAM_MARGIN = 1.05
 # verify cost 1.5x a plain step at 16 rows on a 2-core CPU (one probe every step in a cold
 # 16-stream chat burst made adaptive 0.70x of k = 0).
 NGRAM_PROBE_EVERY = 16
+# ...or as rarely as keeps the probes within this share of plain decoding's time: where a
+# verify of one more token costs much more than a plain step (float32 on 2 cores, 1 row:
+# 86 ms against 50, a small matrix product's slow path), a probe every 16 steps cost 4%.
+NGRAM_PROBE_BUDGET = 0.01
 ROW_WINDOW = 16  # a row's own acceptance window: rows differ, and a request is short
 # What every row's lookups are assumed to be worth before any has been verified (a fresh
 # server): cautious, so that the first burst's lookups go only where a token costs little
@@ -195,7 +200,7 @@ class NgramProposer(Proposer):
     ) -> dict[int, int]:
         """Lookups for the rows where they pay: each row's own acceptance (shrunk towards
         every row's) against the measured cost of an iteration by tokens verified. A row
-        with a match left unverified for NGRAM_PROBE_EVERY x batch_size steps tries one
+        with a match left unverified for probe_interval() x batch_size steps tries one
         token."""
         options = []
         shared = {n: window.rates() for n, window in self.acceptance.items()}
@@ -215,18 +220,30 @@ class NgramProposer(Proposer):
             self.width_cost.estimate(batch_size) or 0.0,
         )
         ks = {}
+        probe_every = self.probe_interval(batch_size)
         for option in options:
             row = self.rows[candidates[option.row].sequence.id]
             k = plan.get(option.row, 0)
             if k == 0:
                 row.idle += 1
-                if row.idle < NGRAM_PROBE_EVERY * batch_size:
+                if row.idle < probe_every * batch_size:
                     continue
                 k = 1
             row.idle = 0
             row.proposal = row.proposal[:k]
             ks[option.row] = k
         return ks
+
+    def probe_interval(self, batch_size: int) -> int:
+        """Steps of the batch between probes: NGRAM_PROBE_EVERY, or more where a probe's
+        extra token and width would cost more than NGRAM_PROBE_BUDGET of plain decoding's
+        time (the target's curve, measured at start-up)."""
+        plain = self.target_cost.estimate(batch_size, batch_size)
+        probe = self.target_cost.estimate(batch_size + 1, batch_size)
+        if not plain or probe is None:
+            return NGRAM_PROBE_EVERY
+        extra = max(0.0, probe - plain) + (self.width_cost.estimate(batch_size) or 0.0)
+        return max(NGRAM_PROBE_EVERY, math.ceil(extra / (NGRAM_PROBE_BUDGET * plain)))
 
     def _verify_cost(self, batch_size: int) -> Callable[[int], float | None]:
         """Seconds of an iteration by tokens verified: whole iterations as measured, or the
