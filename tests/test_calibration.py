@@ -230,4 +230,4 @@ def test_lookup_probes_space_out_where_one_more_token_costs_a_lot(monkeypatch):
     steps = 192  # a request's 200 tokens
     assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) <= 3
     monkeypatch.setattr(ngram, "NGRAM_PROBE_BUDGET", float("inf"))  # every 16 steps
-    assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) >= 10
+    assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) >= 8

@@ -10,7 +10,13 @@ import pytest
 import fakes
 from fakes import FakeEngines, fake_decode
 from specdec.loop.config import SchedulerConfig
-from specdec.loop.proposers.ngram import NgramCandidate, NgramIndex, plan_ngram_tokens
+from specdec.loop.controller import CostCurve
+from specdec.loop.proposers.ngram import (
+    NgramCandidate,
+    NgramIndex,
+    NgramProposer,
+    plan_ngram_tokens,
+)
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.text.request import GenerationRequest
 
@@ -231,3 +237,21 @@ def test_zero_draft_tokens_turns_speculation_off(monkeypatch):
     run_all(scheduler)
     assert sequence.stats.num_draft_tokens == 0
     assert not any(role == "draft" for role, _ in engines.calls)
+
+
+def test_whole_iterations_of_one_row_do_not_price_a_larger_batchs_tokens_at_nothing():
+    """A cold chat burst: whole iterations measured at 1 row (up to 4 tokens) reached past
+    plain decoding only for 1 row; the first 16-row step then priced its lookups at nothing
+    and verified 60 tokens, none accepted. Where the measured curve ends at the batch size,
+    the target's start-up curve prices the tokens."""
+    config = SchedulerConfig(16, 256, max_draft_tokens=8, default_draft_tokens=None)
+    target = CostCurve()
+    for tokens, seconds in ((1, 0.0334), (2, 0.0360), (16, 0.0421), (32, 0.0608), (144, 0.150)):
+        target.calibrate(tokens, seconds)
+    proposer = NgramProposer(config, FakeEngines(16), target)
+    proposer.iteration_cost_by_tokens.observe(1, 0.033)
+    proposer.iteration_cost_by_tokens.observe(4, 0.039)
+    cost = proposer._verify_cost(16)
+    assert cost(32) == pytest.approx(target.estimate(32, 16))
+    assert cost(32) > 1.4 * cost(16)
+    assert proposer._verify_cost(2)(4) == pytest.approx(0.039)  # measured past 2 rows: its own

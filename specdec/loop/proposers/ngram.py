@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from specdec.loop.controller import AcceptanceWindow, CostCurve
@@ -246,18 +247,19 @@ class NgramProposer(Proposer):
         return max(NGRAM_PROBE_EVERY, math.ceil(extra / (NGRAM_PROBE_BUDGET * plain)))
 
     def _verify_cost(self, batch_size: int) -> Callable[[int], float | None]:
-        """Seconds of an iteration by tokens verified: whole iterations as measured, or the
-        target call's until one has been. Until a verify longer than plain decoding's has
-        been measured, extra tokens are priced at nothing, so that one verify is tried and
-        measured (extrapolating from plain decoding alone would price each token as a whole
-        row, and lookups would never start)."""
-        curve = self.iteration_cost_by_tokens
-        if not curve.sizes:
-            curve = self.target_cost
-        if curve.sizes and curve.sizes[-1] <= batch_size:
-            plain = curve.estimate(batch_size)
-            return lambda num_tokens: plain
-        return lambda num_tokens: curve.estimate(num_tokens, batch_size)
+        """Seconds of an iteration by tokens verified: whole iterations as measured where
+        they reach past plain decoding at this batch size, or else the target call's curve
+        (start-up's shape) where that does. Without either, extra tokens are priced at
+        nothing, so that one verify is tried and measured (extrapolating from plain decoding
+        alone would price each token as a whole row, and lookups would never start). Whole
+        iterations of 1 row, up to 4 tokens, once priced a 16-row step's lookups at nothing:
+        60 tokens in a cold chat burst's first 16-row step, none accepted."""
+        for curve in (self.iteration_cost_by_tokens, self.target_cost):
+            if curve.sizes and curve.sizes[-1] > batch_size:
+                return partial(curve.estimate, rows=batch_size)
+        measured = self.iteration_cost_by_tokens
+        plain = (measured if measured.sizes else self.target_cost).estimate(batch_size)
+        return lambda num_tokens: plain
 
     def propose(
         self, rows: list[SequenceState], ks: list[int], copies: list[CacheCopy]
