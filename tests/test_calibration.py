@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import fakes
 from fakes import FakeEngines, fake_decode, oracle_continuation
 from specdec.loop.calibration import CONTEXT_TOKENS, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
@@ -165,8 +166,8 @@ def test_a_calibrated_server_does_not_bet_the_first_burst_on_an_unmeasured_draft
     assert all(rows == 1 for rows in draft_rows_in_first_steps(calibrated=True))
 
 
-def first_step_lookup_tokens(rows: int) -> int:
-    """Draft tokens prompt lookup proposes in a fresh, calibrated server's first step, with
+def first_step_lookup_rows(rows: int) -> int:
+    """Rows that prompt lookup proposes for in a fresh, calibrated server's first step, with
     `rows` requests whose prompts repeat (every row has a match). The target's fixed cost
     is 37.3 ms, so one token more per row costs 1.3x at 16 rows and 1.03x at one row."""
     engines = ClockedEngines(num_slots=16, fixed=0.0373)
@@ -177,17 +178,18 @@ def first_step_lookup_tokens(rows: int) -> int:
     for i in range(rows):
         scheduler.submit(GenerationRequest(None, [5 + i, 6, 7, 5 + i, 6, 7, 5 + i, 6], 20))
     scheduler.step()
-    return scheduler.last_iteration.num_draft_tokens
+    return sum(k > 0 for k in scheduler.last_plan.ks)
 
 
 def test_a_fresh_servers_lookups_bet_only_where_a_token_costs_little(monkeypatch):
     """Before any lookup is verified, prompt lookup assumes COLD_PRIOR (0.25) acceptance:
     one row's lookups go ahead (a verify of two tokens costs 1.03 steps), sixteen rows' do
-    not (1.3 steps). With the old prior of one half they did."""
-    assert first_step_lookup_tokens(rows=1) > 0
-    assert first_step_lookup_tokens(rows=16) == 0
+    not (1.3 steps): only one row probes, to learn what a lookup of its match length is
+    worth. With the old prior of one half every row's went ahead."""
+    assert first_step_lookup_rows(rows=1) == 1
+    assert first_step_lookup_rows(rows=16) == 1
     monkeypatch.setattr(ngram, "COLD_PRIOR", 0.5)
-    assert first_step_lookup_tokens(rows=16) > 0
+    assert first_step_lookup_rows(rows=16) == 16
 
 
 def iterations_with_lookups(monkeypatch, steps: int, rows: int, small_product=0.0) -> int:
@@ -213,7 +215,7 @@ def iterations_with_lookups(monkeypatch, steps: int, rows: int, small_product=0.
 
 
 def test_lookup_probes_come_about_once_per_sixteen_steps_whatever_the_batch(monkeypatch):
-    """A row whose lookups are not used probes one token after NGRAM_PROBE_EVERY x batch
+    """A row whose lookups are not used probes its lookup after NGRAM_PROBE_EVERY x batch
     steps: a batch of 16 rows that joined at different steps probes about as often as one
     row, not 16 times as often (each probe makes the verify's rows unequal in length, which
     costs about a step's worth). With NGRAM_PROBE_EVERY steps whatever the batch, some row
@@ -226,8 +228,42 @@ def test_lookup_probes_space_out_where_one_more_token_costs_a_lot(monkeypatch):
     """float32 on 2 cores, 1 row: a verify of two tokens cost 86 ms against a plain step's
     50, so a probe every 16 steps cost 4% of the time. Probes then come as rarely as keeps
     them within NGRAM_PROBE_BUDGET (1%) of plain decoding's time, as start-up measured it:
-    here 36 ms more on 38 ms, one probe in about 94 steps."""
+    here a lookup of 4 tokens costs 39 ms more than a plain step of 38, one probe in about
+    100 steps (and the first, which no lookup of its match length had preceded)."""
     steps = 192  # a request's 200 tokens
     assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) <= 3
     monkeypatch.setattr(ngram, "NGRAM_PROBE_BUDGET", float("inf"))  # every 16 steps
     assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) >= 8
+
+
+def copying_oracle(tokens: list[int]) -> int:
+    """A target that repeats the last 7 tokens: its answer copies its prompt."""
+    return tokens[-7] if len(tokens) >= 7 else (tokens[-1] + 1) % fakes.VOCAB
+
+
+def lookup_share_of_one_copying_row(monkeypatch, small_product: float) -> float:
+    """The share of a 200-token answer that came from accepted lookups, one row on a fresh,
+    calibrated server whose target copies the prompt."""
+    monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
+    engines = ClockedEngines(num_slots=4, fixed=0.0373, small_product=small_product)
+    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", engines.clock)
+    config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
+    config.proposers = ("ngram",)
+    scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    scheduler.calibrate(budget_s=100, clock=engines.clock)
+    sequence = scheduler.submit(GenerationRequest(None, [11, 12, 13, 14, 15, 16, 17], 200, -1))
+    while scheduler.has_work:
+        scheduler.step()
+    return sequence.stats.num_accepted_draft_tokens / sequence.num_output_tokens
+
+
+@pytest.mark.parametrize("small_product", [0.0, 0.035])
+def test_a_copying_row_learns_its_lookups_pay_even_where_a_short_verify_is_dear(
+    monkeypatch, small_product
+):
+    """float32 on 2 cores, 1 row: a verify of 2 tokens costs about 1.6 plain steps, and one of
+    9 not much more. A probe of one token teaches only the first position, and at that price
+    the plan never tries more: the cold rewrite burst read 1.03x of k = 0 where it had read
+    1.39x. A probe proposes what the row's lookup holds, so the later positions are learnt too
+    and a copying answer comes mostly from lookups, whatever a short verify costs."""
+    assert lookup_share_of_one_copying_row(monkeypatch, small_product) > 0.6

@@ -140,7 +140,7 @@ def test_lookup_drafts_copied_text_without_the_draft_model(monkeypatch):
 def test_lookups_are_priced_by_whole_iterations(monkeypatch, host_seconds_per_token, pays):
     # The target call costs 10 ms + 0.5 ms per token: by it alone every lookup token pays.
     # When the loop's own work costs 12 ms per proposed token, no lookup pays, and after one
-    # measured try the loop stops proposing (but for the occasional one-token probe).
+    # measured try the loop stops proposing (but for the occasional probe).
     monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
     clock = [0.0]
     monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", lambda: clock[0])

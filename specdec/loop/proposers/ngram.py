@@ -133,15 +133,18 @@ def plan_ngram_tokens(
 # acceptance estimates are noisy, and a lost bet costs verify time.
 NGRAM_MARGIN = 1.05
 # A row with a match whose lookups have not been verified for this many steps times the
-# batch size proposes one token: its acceptance estimate would otherwise never recover from
-# a bad start. Scaled by the batch, so that the batch probes about once per NGRAM_PROBE_EVERY
-# steps whatever its size: a probe makes the target's rows unequal in length, and such a
-# verify cost 1.5x a plain step at 16 rows on a 2-core CPU (one probe every step in a cold
-# 16-stream chat burst made adaptive 0.70x of k = 0).
+# batch size probes: it proposes its whole lookup, so that every position's acceptance is
+# learnt, not only the first's (with one-token probes, where a short verify is dear the plan
+# never tried a longer one: float32, 1 row, a cold rewrite burst at 1.03x of k = 0 instead of
+# 1.39x). Its acceptance estimate would otherwise never recover from a bad start. Scaled by
+# the batch, so that the batch probes about once per NGRAM_PROBE_EVERY steps whatever its
+# size: a probe makes the target's rows unequal in length, and such a verify cost 1.5x a
+# plain step at 16 rows on a 2-core CPU (one probe every step in a cold 16-stream chat burst
+# made adaptive 0.70x of k = 0).
 NGRAM_PROBE_EVERY = 16
 # ...or as rarely as keeps the probes within this share of plain decoding's time: where a
-# verify of one more token costs much more than a plain step (float32 on 2 cores, 1 row:
-# 86 ms against 50, a small matrix product's slow path), a probe every 16 steps cost 4%.
+# verify of more tokens costs much more than a plain step (float32 on 2 cores, 1 row: 86 ms
+# against 50, a small matrix product's slow path), a probe every 16 steps cost 4%.
 NGRAM_PROBE_BUDGET = 0.01
 ROW_WINDOW = 16  # a row's own acceptance window: rows differ, and a request is short
 # What every row's lookups are assumed to be worth before any has been verified (a fresh
@@ -222,25 +225,37 @@ class NgramProposer(Proposer):
         )
         ks = {}
         probe_every = self.probe_interval(batch_size)
+        probed: set[int] = set()  # match lengths probed this step
         for option in options:
             row = self.rows[candidates[option.row].sequence.id]
             k = plan.get(option.row, 0)
             if k == 0:
                 row.idle += 1
-                if row.idle < probe_every * batch_size:
+                length = row.index.match_length
+                first = length not in probed and self._unexplored(length)
+                if row.idle < probe_every * batch_size and not first:
                     continue
-                k = 1
+                probed.add(length)
+                k = option.max_tokens  # a probe: the whole lookup
             row.idle = 0
             row.proposal = row.proposal[:k]
             ks[option.row] = k
         return ks
 
+    def _unexplored(self, match_length: int) -> bool:
+        """No lookup of this match length has been verified on this server yet: one row
+        with such a match probes at once (about one probe per match length in the server's
+        life), so a fresh server learns what its lookups are worth from evidence, not from
+        the cold prior alone, which where a verify is dear never pays for a try."""
+        return not self.acceptance[match_length].tried[0]
+
     def probe_interval(self, batch_size: int) -> int:
         """Steps of the batch between probes: NGRAM_PROBE_EVERY, or more where a probe's
-        extra token and width would cost more than NGRAM_PROBE_BUDGET of plain decoding's
-        time (the target's curve, measured at start-up)."""
+        extra tokens (a whole lookup of max_k) and width would cost more than
+        NGRAM_PROBE_BUDGET of plain decoding's time (the target's curve, measured at
+        start-up)."""
         plain = self.target_cost.estimate(batch_size, batch_size)
-        probe = self.target_cost.estimate(batch_size + 1, batch_size)
+        probe = self.target_cost.estimate(batch_size + self.max_k, batch_size)
         if not plain or probe is None:
             return NGRAM_PROBE_EVERY
         extra = max(0.0, probe - plain) + (self.width_cost.estimate(batch_size) or 0.0)
