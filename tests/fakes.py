@@ -26,6 +26,12 @@ def oracle_next(tokens: list[int]) -> int:
     return (tokens[-1] * 7 + len(tokens) * 3 + 1) % VOCAB
 
 
+def copying_oracle(tokens: list[int]) -> int:
+    """A target that repeats the last 7 tokens: its output copies its prompt (patched in as
+    `oracle_next` by the prompt-lookup tests)."""
+    return tokens[-7] if len(tokens) >= 7 else (tokens[-1] + 1) % VOCAB
+
+
 def draft_guess(tokens: list[int]) -> int:
     """A draft that agrees with the oracle except at every third length."""
     right = oracle_next(tokens)

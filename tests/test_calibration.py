@@ -236,15 +236,10 @@ def test_lookup_probes_space_out_where_one_more_token_costs_a_lot(monkeypatch):
     assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) >= 8
 
 
-def copying_oracle(tokens: list[int]) -> int:
-    """A target that repeats the last 7 tokens: its answer copies its prompt."""
-    return tokens[-7] if len(tokens) >= 7 else (tokens[-1] + 1) % fakes.VOCAB
-
-
 def lookup_share_of_one_copying_row(monkeypatch, small_product: float) -> float:
     """The share of a 200-token answer that came from accepted lookups, one row on a fresh,
     calibrated server whose target copies the prompt."""
-    monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
+    monkeypatch.setattr(fakes, "oracle_next", fakes.copying_oracle)
     engines = ClockedEngines(num_slots=4, fixed=0.0373, small_product=small_product)
     monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", engines.clock)
     config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 import fakes
-from fakes import FakeEngines, fake_decode
+from fakes import FakeEngines, copying_oracle, fake_decode
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.controller import CostCurve
 from specdec.loop.proposers.ngram import (
@@ -90,11 +90,6 @@ def test_plan_prices_each_width_of_rows():
     eight_short = [NgramCandidate(row=r, max_tokens=1, rates=[0.7]) for r in range(8)]
     plan = plan_ngram_tokens(eight_short, 16, cost, margin=1.05, width_cost=0.15)
     assert plan == {r: 1 for r in range(8)}
-
-
-def copying_oracle(tokens: list[int]) -> int:
-    """A target that repeats the last 7 tokens: its output copies its prompt."""
-    return tokens[-7] if len(tokens) >= 7 else (tokens[-1] + 1) % fakes.VOCAB
 
 
 def repeat(prompt: list[int], num_tokens: int) -> list[int]:
