@@ -11,6 +11,7 @@ import fakes
 from fakes import FakeEngines, copying_oracle, fake_decode
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.controller import CostCurve
+from specdec.loop.proposers.base import TimedStep
 from specdec.loop.proposers.ngram import (
     NgramCandidate,
     NgramIndex,
@@ -244,9 +245,35 @@ def test_whole_iterations_of_one_row_do_not_price_a_larger_batchs_tokens_at_noth
     for tokens, seconds in ((1, 0.0334), (2, 0.0360), (16, 0.0421), (32, 0.0608), (144, 0.150)):
         target.calibrate(tokens, seconds)
     proposer = NgramProposer(config, FakeEngines(16), target)
-    proposer.iteration_cost_by_tokens.observe(1, 0.033)
-    proposer.iteration_cost_by_tokens.observe(4, 0.039)
+    steady(proposer, rows=1, tokens=1, seconds=0.033)
+    steady(proposer, rows=1, tokens=4, seconds=0.039)
     cost = proposer._verify_cost(16)
     assert cost(32) == pytest.approx(target.estimate(32, 16))
     assert cost(32) > 1.4 * cost(16)
-    assert proposer._verify_cost(2)(4) == pytest.approx(0.039)  # measured past 2 rows: its own
+    assert proposer._verify_cost(1)(4) == pytest.approx(0.039)  # measured past 1 row: its own
+
+
+def steady(proposer: NgramProposer, rows: int, tokens: int, seconds: float) -> None:
+    """A steady iteration of `rows` rows that verified `tokens` tokens in one width."""
+    widths = 1 if tokens == rows else 2
+    step = TimedStep(0.0, seconds, rows, tokens, widths, model_drafted=False)
+    proposer.observe_iteration(step, seconds)
+
+
+def test_a_batchs_lookups_are_priced_by_iterations_of_its_own_size():
+    """A 16-stream burst shrinks as its requests end: steps of 10 rows that verified 20
+    tokens cost what 10 caches cost, less than 16 rows verifying 20 do. One curve by tokens
+    for every batch size priced the 16-row step's lookups at the 10-row steps' cost."""
+    config = SchedulerConfig(16, 256, max_draft_tokens=8, default_draft_tokens=None)
+    target = CostCurve()
+    for tokens, seconds in ((1, 0.030), (16, 0.060), (32, 0.090), (144, 0.300)):
+        target.calibrate(tokens, seconds)
+    proposer = NgramProposer(config, FakeEngines(16), target)
+    steady(proposer, rows=16, tokens=16, seconds=0.100)
+    steady(proposer, rows=16, tokens=24, seconds=0.160)
+    steady(proposer, rows=10, tokens=10, seconds=0.060)
+    steady(proposer, rows=10, tokens=20, seconds=0.070)
+    assert proposer._verify_cost(16)(20) == pytest.approx(0.130)  # between 16 and 24 tokens
+    assert proposer._verify_cost(10)(20) == pytest.approx(0.070)
+    # A size never measured has no iterations of its own: the target's start-up curve.
+    assert proposer._verify_cost(12)(20) == pytest.approx(target.estimate(20, 12))

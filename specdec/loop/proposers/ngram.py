@@ -178,13 +178,15 @@ class NgramProposer(Proposer):
         self.acceptance = {
             n: AcceptanceWindow(self.max_k, prior=COLD_PRIOR) for n in self.match_lengths
         }
-        # Whole steady iterations without a model draft, by tokens verified: what the plan
-        # prices its tokens by. The target call alone sees neither the loop's own work per
-        # proposed token nor what every iteration pays (docs/benchmarks.md, 2026-12-02).
-        self.iteration_cost_by_tokens = CostCurve()
+        # Whole steady iterations without a model draft, by batch size, then by tokens
+        # verified: what the plan prices its tokens by. The target call alone sees neither the
+        # loop's own work per proposed token nor what every iteration pays (docs/benchmarks.md,
+        # 2026-12-02). One curve for every batch size priced a 16-row step's 20 tokens by
+        # 10-row steps that verified 20, which read fewer caches.
+        self.iteration_cost: dict[int, CostCurve] = {}
         # What a verify pays for each width of rows beyond the first, by rows (start-up's
         # measurement; none without it): priced by the plan, taken out of the iterations the
-        # curve above learns, which are keyed by tokens alone.
+        # curves above learn, which count tokens, not widths.
         self.width_cost = CostCurve()
 
     def _look_up(self, candidate: Candidate) -> NgramRow:
@@ -262,18 +264,18 @@ class NgramProposer(Proposer):
         return max(NGRAM_PROBE_EVERY, math.ceil(extra / (NGRAM_PROBE_BUDGET * plain)))
 
     def _verify_cost(self, batch_size: int) -> Callable[[int], float | None]:
-        """Seconds of an iteration by tokens verified: whole iterations as measured where
-        they reach past plain decoding at this batch size, or else the target call's curve
+        """Seconds of an iteration by tokens verified: whole iterations of this batch size as
+        measured where they reach past plain decoding, or else the target call's curve
         (start-up's shape) where that does. Without either, extra tokens are priced at
         nothing, so that one verify is tried and measured (extrapolating from plain decoding
         alone would price each token as a whole row, and lookups would never start). Whole
         iterations of 1 row, up to 4 tokens, once priced a 16-row step's lookups at nothing:
         60 tokens in a cold chat burst's first 16-row step, none accepted."""
-        for curve in (self.iteration_cost_by_tokens, self.target_cost):
-            if curve.sizes and curve.sizes[-1] > batch_size:
+        measured = self.iteration_cost.get(batch_size)
+        for curve in (measured, self.target_cost):
+            if curve is not None and curve.sizes and curve.sizes[-1] > batch_size:
                 return partial(curve.estimate, rows=batch_size)
-        measured = self.iteration_cost_by_tokens
-        plain = (measured if measured.sizes else self.target_cost).estimate(batch_size)
+        plain = (measured or self.target_cost).estimate(batch_size, batch_size)
         return lambda num_tokens: plain
 
     def propose(
@@ -295,7 +297,8 @@ class NgramProposer(Proposer):
     def observe_iteration(self, step: TimedStep, seconds: float) -> None:
         if not step.model_drafted:
             widths = (self.width_cost.estimate(step.batch_size) or 0.0) * (step.num_widths - 1)
-            self.iteration_cost_by_tokens.observe(step.num_tokens, seconds - widths)
+            curve = self.iteration_cost.setdefault(step.batch_size, CostCurve())
+            curve.observe(step.num_tokens, seconds - widths)
 
     def release(self, sequence: SequenceState) -> None:
         self.rows.pop(sequence.id, None)
