@@ -13,7 +13,9 @@ greedy, streamed, 64 output tokens each, the arm's mode inputs (common.mode_inpu
 arm's burst sends the same prompts: the workload's 0-3, then 4-35 (wrapping around).
 
 Per phase: the output tokens the responses carried (and the server's counter beside them),
-the seconds from the first request sent to the last final response, tokens/s. Reported per
+the seconds from the first request sent to the last final response, tokens/s, and what the
+server counted meanwhile (iterations, ms per iteration by loop part, each proposer's draft
+and accepted tokens: where an arm's time went, printed with each burst). Reported per
 workload, phase and round: each arm over k0 (adaptive / k0, and k0-again / k0, the noise
 floor), and with several rounds the mean of each ratio; results/<name>-cold.{json,csv}.
 A fresh server is what every added replica and every restart meets (issue 30).
@@ -31,11 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common import (
+    PROPOSER_NAMES,
     WORKLOADS,
-    deltas,
+    counter_deltas,
     load_prompts,
     mode_inputs,
-    server_counters,
     unknown_variants,
 )
 from specdec.client import GenerationResult, StreamingClient, scrape_metrics
@@ -103,6 +105,10 @@ class PhaseResult:
     grpc_port: int
     requests_at_start: float  # the server's finished requests when it was ready: 0 if fresh
     tokens_per_request: list[int]
+    # What the server counted over the phase: tokens per iteration, ms per iteration by loop
+    # part, each proposer's draft and accepted tokens (common.counter_deltas): where an arm's
+    # time went, and whether its bets paid.
+    server: dict[str, float] = field(default_factory=dict)
 
 
 def burst_plan(num_prompts: int, phases: tuple[Phase, ...] = PHASES) -> list[list[int]]:
@@ -164,21 +170,22 @@ def send_phase(
 
 def measure_phase(server, config: ColdConfig, phase: Phase, prompts: list[str], arm: str) -> dict:
     """One phase on `server`: PhaseResult's counts and times."""
-    before = server_counters(server.metrics_url)
+    before = scrape_metrics(server.metrics_url)
     results, seconds = send_phase(
         server.url, config.model, prompts, phase.streams, config.max_tokens, mode_inputs(arm)
     )
-    counted = deltas(before, server_counters(server.metrics_url))
+    counted = counter_deltas(before, scrape_metrics(server.metrics_url))
     tokens = [int(r.metrics.get("num_output_tokens", 0)) for r in results if r.error is None]
     return {
         "num_requests": len(results),
         "num_errors": len(results) - len(tokens),
         "output_tokens": sum(tokens),
-        "server_tokens": counted["tokens"],
-        "iterations": counted["iterations"],
+        "server_tokens": counted.pop("emitted_tokens"),
+        "iterations": counted.pop("iterations"),
         "seconds": seconds,
         "tokens_per_s": sum(tokens) / seconds,
         "tokens_per_request": tokens,
+        "server": counted,
     }
 
 
@@ -210,13 +217,23 @@ def cold_burst(
             print(
                 f"{workload:<9} round {round_index} {arm:<9} {row.phase:<10} "
                 f"{row.tokens_per_s:7.1f} tok/s ({row.output_tokens} tokens in "
-                f"{row.seconds:.1f} s, {row.num_errors} errors, server pid {row.server_pid})",
+                f"{row.seconds:.1f} s, {row.num_errors} errors, server pid {row.server_pid}; "
+                f"{row.iterations:.0f} iterations{drafted(row.server)})",
                 flush=True,
             )
             rows.append(row)
         return rows
     finally:
         server.stop()
+
+
+def drafted(counted: dict[str, float]) -> str:
+    """Each proposer's accepted / proposed draft tokens, where it proposed any."""
+    return "".join(
+        f", {name} {counted[f'{name}_accepted']:.0f}/{counted[f'{name}_draft_tokens']:.0f}"
+        for name in PROPOSER_NAMES
+        if counted.get(f"{name}_draft_tokens")
+    )
 
 
 def ratio_rows(results: list[PhaseResult], arms: tuple[str, ...]) -> list[dict]:

@@ -157,6 +157,7 @@ TIMED_PARTS = (*LOOP_PARTS, "outbox")
 # The engine calls the loop makes, whose count and returned bytes the server counts
 # (specdec_engine_calls_total, specdec_engine_result_bytes_total; absent on older servers).
 ENGINE_CALL_KINDS = ("draft", "target")
+PROPOSER_NAMES = ("draft_model", "ngram")  # specdec_proposer_*_tokens_total's labels
 
 
 def loop_counters(values: dict[str, float]) -> dict[str, float]:
@@ -219,6 +220,23 @@ def per_iteration(counted: dict[str, float]) -> dict[str, float]:
     for part in TIMED_PARTS:
         ms = 1000 * counted[part] / iterations if iterations else 0.0
         report[f"{part}_ms_per_iteration"] = ms
+    return report
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the server did between two scrapes: the loop figures bench reports, and each proposer's
+    draft and accepted tokens."""
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    counted = deltas(loop_counters(before), loop_counters(after))
+    report = {"iterations": counted["iterations"], "emitted_tokens": counted["tokens"]}
+    report.update(per_iteration(counted))
+    for name in PROPOSER_NAMES:
+        label = f'{{proposer="{name}"}}'
+        report[f"{name}_draft_tokens"] = delta(f"specdec_proposer_draft_tokens_total{label}")
+        report[f"{name}_accepted"] = delta(f"specdec_proposer_accepted_draft_tokens_total{label}")
     return report
 
 

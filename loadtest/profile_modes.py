@@ -22,36 +22,16 @@ from pathlib import Path
 
 from common import (
     MODES,
+    PROPOSER_NAMES,
     TIMED_PARTS,
     WORKLOADS,
-    deltas,
+    counter_deltas,
     load_prompts,
-    loop_counters,
     parse_env,
-    per_iteration,
     unknown_modes,
 )
 from specdec.client import generate, scrape_metrics
 from specdec.paths import PROJECT_ROOT
-
-PROPOSER_NAMES = ("draft_model", "ngram")
-
-
-def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What the server did between two scrapes: the loop figures bench reports, and each proposer's
-    draft and accepted tokens."""
-
-    def delta(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    counted = deltas(loop_counters(before), loop_counters(after))
-    report = {"iterations": counted["iterations"], "emitted_tokens": counted["tokens"]}
-    report.update(per_iteration(counted))
-    for name in PROPOSER_NAMES:
-        label = f'{{proposer="{name}"}}'
-        report[f"{name}_draft_tokens"] = delta(f"specdec_proposer_draft_tokens_total{label}")
-        report[f"{name}_accepted"] = delta(f"specdec_proposer_accepted_draft_tokens_total{label}")
-    return report
 
 
 def profile(

@@ -209,6 +209,12 @@ def test_each_arm_meets_its_burst_on_a_fresh_server(target_dir, tmp_path):
         assert all(1 <= n <= 8 for n in burst["tokens_per_request"])
         assert burst["output_tokens"] == sum(burst["tokens_per_request"]) == burst["server_tokens"]
         assert burst["seconds"] > 0 and burst["tokens_per_s"] > 0
+        counted = burst["server"]  # where the burst's time went, and what it drafted
+        per_iteration = burst["server_tokens"] / burst["iterations"]
+        assert counted["tokens_per_iteration"] == pytest.approx(per_iteration)
+        assert counted["target_ms_per_iteration"] > 0
+        if burst["arm"] == "k0":
+            assert counted["ngram_draft_tokens"] == counted["draft_model_draft_tokens"] == 0
     ratios = document["ratios"]
     assert [(r["phase"], r["round"]) for r in ratios] == [("1 stream", 0), ("2 streams", 0)]
     for row in ratios:
