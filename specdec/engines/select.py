@@ -35,13 +35,19 @@ def read_cpuinfo() -> str:
         return ""
 
 
-def cpu_has_bf16(cpuinfo: str) -> bool:
-    """Whether a /proc/cpuinfo text lists one of CPU_BF16_FLAGS on a `flags` line."""
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The flags a /proc/cpuinfo text lists on its `flags` lines."""
+    flags: set[str] = set()
     for line in cpuinfo.splitlines():
         name, _, values = line.partition(":")
-        if name.strip() == "flags" and set(values.split()) & set(CPU_BF16_FLAGS):
-            return True
-    return False
+        if name.strip() == "flags":
+            flags.update(values.split())
+    return flags
+
+
+def cpu_has_bf16(cpuinfo: str) -> bool:
+    """Whether a /proc/cpuinfo text lists one of CPU_BF16_FLAGS on a `flags` line."""
+    return bool(cpu_flags(cpuinfo) & set(CPU_BF16_FLAGS))
 
 
 def cuda_has_bf16() -> bool:
