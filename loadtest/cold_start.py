@@ -35,6 +35,7 @@ from pathlib import Path
 from common import (
     PROPOSER_NAMES,
     WORKLOADS,
+    accepted_of_drafted,
     counter_deltas,
     load_prompts,
     mode_inputs,
@@ -229,11 +230,8 @@ def cold_burst(
 
 def drafted(counted: dict[str, float]) -> str:
     """Each proposer's accepted / proposed draft tokens, where it proposed any."""
-    return "".join(
-        f", {name} {counted[f'{name}_accepted']:.0f}/{counted[f'{name}_draft_tokens']:.0f}"
-        for name in PROPOSER_NAMES
-        if counted.get(f"{name}_draft_tokens")
-    )
+    active = tuple(name for name in PROPOSER_NAMES if counted.get(f"{name}_draft_tokens"))
+    return "".join(f", {tally}" for tally in accepted_of_drafted(counted, active))
 
 
 def ratio_rows(results: list[PhaseResult], arms: tuple[str, ...]) -> list[dict]:

@@ -240,6 +240,13 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return report
 
 
+def accepted_of_drafted(
+    counted: dict[str, float], names: tuple[str, ...] = PROPOSER_NAMES
+) -> list[str]:
+    """ "name accepted/drafted" for each proposer of `names`, from counter_deltas' figures."""
+    return [f"{n} {counted[f'{n}_accepted']:.0f}/{counted[f'{n}_draft_tokens']:.0f}" for n in names]
+
+
 def parse_env(text: str) -> dict[str, str]:
     """A --server-env value, NAME=VALUE,... ("" = none), as a dict."""
     pairs = [item.split("=", 1) for item in text.split(",") if item]

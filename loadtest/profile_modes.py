@@ -22,9 +22,9 @@ from pathlib import Path
 
 from common import (
     MODES,
-    PROPOSER_NAMES,
     TIMED_PARTS,
     WORKLOADS,
+    accepted_of_drafted,
     counter_deltas,
     load_prompts,
     parse_env,
@@ -69,9 +69,7 @@ def profile(
 
 def format_row(row: dict) -> str:
     parts = " ".join(f"{p} {row[f'{p}_ms_per_iteration']:.1f}" for p in TIMED_PARTS)
-    proposers = " ".join(
-        f"{n} {row[f'{n}_accepted']:.0f}/{row[f'{n}_draft_tokens']:.0f}" for n in PROPOSER_NAMES
-    )
+    proposers = " ".join(accepted_of_drafted(row))
     return (
         f"round {row['round']}  {row['mode']:<9} {row['tokens_per_s']:6.1f} tok/s  "
         f"{row['tokens_per_iteration']:.2f} tokens/iteration  accepted/drafted: {proposers}  "
