@@ -46,19 +46,22 @@ def test_packed_batch_logits_match_hf(engine, hf_target):
 def test_rows_of_mixed_widths_in_scattered_slots_match_hf(target_dir, hf_target):
     # Each width attends in a call of its own: decoding rows in adjacent slots, packed out
     # of slot order, read the slot range (A, B; their queries are gathered into slot order
-    # and their outputs scattered back); rows far apart read a gathered copy of their slots
-    # (C, D); rows whose range has a gap read it padded, the gap masked (F, G); and a row
-    # alone at its width attends by itself (E). Every path must give HF's logits.
+    # and their outputs scattered back); rows that fill less of their range read a gathered
+    # copy of their slots (C, D: 2 of 3); rows that fill most of a range with a gap read it
+    # padded, the gap masked (F, G, H, I); and a row alone at its width attends by itself (E).
+    # Every path must give HF's logits.
     tokenizer, model = hf_target
-    engine = LlamaEngine.from_checkpoint(target_dir, num_slots=8, max_length=128)
+    engine = LlamaEngine.from_checkpoint(target_dir, num_slots=12, max_length=128)
     prompts = {  # slot -> (prompt, new tokens in the call), in packed order
         1: ("def add(a, b):", 1),
         0: ("The capital of France is", 1),
         2: ("Once upon a time, in a", 3),
-        7: ("Water boils at a temperature of", 3),
+        4: ("Water boils at a temperature of", 3),
         5: ("The quick brown fox jumps over", 4),
-        4: ("import numpy as np", 2),
+        8: ("import numpy as np", 2),
         6: ("Dear Sir or Madam, I am writing", 2),
+        10: ("SELECT name FROM users WHERE", 2),
+        7: ("The weather today is sunny and", 2),
     }
     ids = {slot: tokenizer(text).input_ids for slot, (text, _) in prompts.items()}
     widths = {slot: width for slot, (_, width) in prompts.items()}
@@ -71,12 +74,19 @@ def test_rows_of_mixed_widths_in_scattered_slots_match_hf(target_dir, hf_target)
         [0] * len(slots),
         [1] * len(slots),
     )
+    lengths, cached = [widths[s] for s in slots], [len(head) for head in heads]
+    starts = [0, *np.cumsum(lengths).tolist()]
+    plan = engine._plan_attention(lengths, slots, cached, starts)
+    reads = {b.width: (b.span, isinstance(b.slots, slice)) for b in plan.batched}
+    # (slots read, through a view): A, B a range of 2; C, D their 2 slots gathered; F-I 4 of 5
+    assert reads == {1: (2, True), 3: (2, False), 2: (5, True)}
+    assert [slot for slot, *_ in plan.looped] == [5]  # E
     logits = engine.forward(
         torch.tensor([t for s in slots for t in ids[s][-widths[s] :]]),
-        [widths[s] for s in slots],
+        lengths,
         slots,
-        [len(head) for head in heads],
-        [widths[s] for s in slots],
+        cached,
+        lengths,
     )
     start = 0
     for s in slots:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from build.engine_speed import spread_slots
 from specdec.paths import PROJECT_ROOT
 
 
@@ -21,7 +22,7 @@ def test_engine_speed_times_each_shape_in_each_precision(tmp_path: Path):
             "--checkpoint",
             str(PROJECT_ROOT / "models" / "smollm2-135m-draft"),
             "--shapes",
-            "1x1,2x3",
+            "1x1,2x3,3x1@7",
             "--cached",
             "16",
             "--repeats",
@@ -36,12 +37,21 @@ def test_engine_speed_times_each_shape_in_each_precision(tmp_path: Path):
     report = json.loads(out.read_text())
     assert set(report["dtypes"]) == {"bfloat16", "float32"}
     for results in report["dtypes"].values():
-        assert [(r["rows"], r["tokens"]) for r in results] == [(1, 1), (2, 3)]
+        shapes = [(r["rows"], r["tokens"], r["span"]) for r in results]
+        assert shapes == [(1, 1, 1), (2, 3, 2), (3, 1, 7)]
         assert all(r["median_ms"] > 0 for r in results)
-    refused = subprocess.run(
-        [sys.executable, "-m", "build.engine_speed", "--shapes", "4"],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert refused.returncode == 2 and "--shapes" in refused.stderr
+    for malformed in ("4", "16x1@8"):  # no tokens; fewer slots than rows
+        refused = subprocess.run(
+            [sys.executable, "-m", "build.engine_speed", "--shapes", malformed],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert refused.returncode == 2 and "--shapes" in refused.stderr, malformed
+
+
+def test_spread_slots_are_distinct_and_span_the_range():
+    assert spread_slots(1, 1) == [0]
+    assert spread_slots(16, 16) == list(range(16))
+    slots = spread_slots(16, 32)
+    assert len(set(slots)) == 16 and slots[0] == 0 and slots[-1] == 31

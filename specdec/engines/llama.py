@@ -152,6 +152,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 HEAD_TOKEN_IDS = "draft.head_token_ids"  # optional weight: (head size,) token ids
 MAX_BATCHED_QUERY = 16  # rows with more new tokens than this attend one by one
+# A width's rows read their slot range through a view where they fill at least this share of
+# it; sparser rows read a gathered copy of their own slots. The masked slots of a view cost
+# what real ones do, and a copy costs about what a quarter more slots do (in process, 2 cores,
+# 150 cached positions, 16 decoding rows: bfloat16 71 ms in 16 adjacent slots, 82 ms through
+# a view of 32, 72 ms gathered; float32 109, 119, 113 ms; docs/benchmarks.md, 2026-12-05).
+# Rows spread out as requests join and leave: a freed slot keeps its prefix for reuse, so the
+# next request takes a slot above the running ones.
+VIEW_MIN_FILL = 0.8
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Top logits per position that the head recomputes in float32 below float32 (head_logits):
 # the true top two are among them unless more than this many round to the same top value.
@@ -348,8 +356,8 @@ class LlamaEngine:
 
     def _batch_rows(self, rows, width, slot_ids, cache_lengths, starts) -> BatchedAttention:
         """One call for `rows`, each adding `width` tokens. Rows whose slots fill at least
-        half of the range they span read it through a view (no copy; the other slots are
-        masked); sparser rows read a gathered copy of their own slots' keys and values.
+        VIEW_MIN_FILL of the range they span read it through a view (no copy; the other slots
+        are masked); sparser rows read a gathered copy of their own slots' keys and values.
         Built with whole-array operations: a Python loop over the rows cost more host time
         than a GPU spends on a 64-row verify."""
         c = self.config
@@ -357,7 +365,7 @@ class LlamaEngine:
         row_slots = np.asarray([slot_ids[r] for r in rows], dtype=np.int64)
         first, last = int(row_slots.min()), int(row_slots.max())
         slots: slice | torch.Tensor
-        if last - first + 1 <= 2 * len(rows):
+        if len(rows) >= VIEW_MIN_FILL * (last - first + 1):
             slots, span = slice(first, last + 1), last - first + 1
             place = row_slots - first
         else:
