@@ -39,7 +39,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
                 f"--shapes: {item!r} is not ROWSxTOKENS or ROWSxTOKENS@SPAN with SPAN >= ROWS "
                 "(e.g. 16x1 or 16x1@32)"
             )
-        shapes.append((int(rows), int(tokens), int(span)))
+        shapes.append((numbers[0], numbers[1], numbers[2]))
     return shapes
 
 
