@@ -17,14 +17,16 @@ the seconds from the first request sent to the last final response, tokens/s, an
 server counted meanwhile (iterations, ms per iteration by loop part, each proposer's draft
 and accepted tokens: where an arm's time went, printed with each burst). Reported per
 workload, phase and round: each arm over k0 (adaptive / k0, and k0-again / k0, the noise
-floor), and with several rounds the mean of each ratio; results/<name>-cold.{json,csv}.
-A fresh server is what every added replica and every restart meets (issue 30).
+floor), adaptive over both k = 0 servers, and with several rounds the mean of each ratio;
+results/<name>-cold.{json,csv}. A fresh server is what every added replica and every
+restart meets (issue 30).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import queue
 import statistics
 import threading
@@ -44,8 +46,10 @@ from common import (
 from specdec.client import GenerationResult, StreamingClient, scrape_metrics
 from specdec.paths import PROJECT_ROOT
 
-ARMS = ("k0", "adaptive", "k0-again")
 BASELINE = "k0"  # what every other arm is divided by
+AGAIN = "k0-again"  # k = 0 on a server of its own again: the noise floor
+ARMS = (BASELINE, "adaptive", AGAIN)
+PAIR = f"both {BASELINE}"  # k0 and k0-again together (ratio_rows)
 
 
 @dataclass(frozen=True)
@@ -235,10 +239,13 @@ def drafted(counted: dict[str, float]) -> str:
 
 
 def ratio_rows(results: list[PhaseResult], arms: tuple[str, ...]) -> list[dict]:
-    """Per workload, phase and round: each arm's tokens/s and each arm over k0; with
-    several rounds also a row "mean": the tokens/s' mean and each ratio's mean."""
+    """Per workload, phase and round: each arm's tokens/s and each arm over k0; with k0-again
+    among the arms, also each other arm over both k = 0 servers (the geometric mean of k0's
+    and k0-again's tokens/s: a baseline of two servers, which one server's luck moves less);
+    with several rounds also a row "mean": the tokens/s' mean and each ratio's mean."""
     rate = {(r.workload, r.phase, r.round, r.arm): r.tokens_per_s for r in results}
     others = [arm for arm in arms if arm != BASELINE]
+    paired = [arm for arm in others if arm != AGAIN] if AGAIN in arms else []
     rows = []
     for workload, phase in dict.fromkeys((r.workload, r.phase) for r in results):
         rounds = sorted({r.round for r in results if (r.workload, r.phase) == (workload, phase)})
@@ -248,6 +255,8 @@ def ratio_rows(results: list[PhaseResult], arms: tuple[str, ...]) -> list[dict]:
             row |= {f"{arm} tok/s": rate[(workload, phase, n, arm)] for arm in arms}
             k0 = row[f"{BASELINE} tok/s"]
             row |= {f"{a}/{BASELINE}": row[f"{a} tok/s"] / k0 if k0 else None for a in others}
+            both = math.sqrt(k0 * row[f"{AGAIN} tok/s"]) if paired else 0.0
+            row |= {f"{a}/{PAIR}": row[f"{a} tok/s"] / both if both else None for a in paired}
             mine.append(row)
         rows += mine
         if len(mine) > 1:
@@ -264,9 +273,9 @@ def _mean(values: list[float | None]) -> float | None:
 def noise_floor(rows: list[dict]) -> float | None:
     """The lowest k0-again / k0 of any round: an arm equal to k0 can read this low."""
     ratios = [
-        row["k0-again/k0"]
+        row[f"{AGAIN}/{BASELINE}"]
         for row in rows
-        if row["round"] != "mean" and row.get("k0-again/k0") is not None
+        if row["round"] != "mean" and row.get(f"{AGAIN}/{BASELINE}") is not None
     ]
     return min(ratios) if ratios else None
 

@@ -79,20 +79,26 @@ def test_ratios_by_round_their_means_and_the_noise_floor():
     assert by_key[("1 stream", 0)]["adaptive/k0"] == pytest.approx(0.9)
     assert by_key[("1 stream", 1)]["adaptive/k0"] == pytest.approx(1.1)
     assert by_key[("1 stream", 1)]["k0-again/k0"] == pytest.approx(1.05)
+    # over both k = 0 servers: the geometric mean of k0 and k0-again
+    assert by_key[("1 stream", 0)]["adaptive/both k0"] == pytest.approx(90 / (100 * 95) ** 0.5)
+    assert by_key[("16 streams", 1)]["adaptive/both k0"] == pytest.approx(250 / (250 * 200) ** 0.5)
     mean = by_key[("1 stream", "mean")]
     assert mean["adaptive/k0"] == pytest.approx(1.0)  # the mean of the ratios
     assert mean["k0-again/k0"] == pytest.approx(1.0)
     assert mean["k0 tok/s"] == pytest.approx(90.0)
     assert by_key[("16 streams", "mean")]["adaptive/k0"] == pytest.approx(1.25)
+    assert mean["adaptive/both k0"] == pytest.approx((90 / 9500**0.5 + 88 / 6720**0.5) / 2)
     assert "adaptive/adaptive" not in mean and "k0/k0" not in mean
+    assert "k0-again/both k0" not in mean
     assert noise_floor(rows) == pytest.approx(0.8)  # 16 streams, round 1: a round, not a mean
     printed = table(rows)
-    assert "| chat | 1 stream | mean | 90.0 | 89.0 | 89.5 | 1.00x | 1.00x |" in printed
+    assert "| chat | 1 stream | mean | 90.0 | 89.0 | 89.5 | 1.00x | 1.00x | 1.00x |" in printed
 
     one_round = ratio_rows([r for r in results if r.round == 0], ("k0", "adaptive", "k0-again"))
     assert [row["round"] for row in one_round] == [0, 0]  # no mean of one round
     two_arms = ratio_rows([r for r in results if r.arm != "k0-again"], ("k0", "adaptive"))
     assert "k0-again/k0" not in two_arms[0] and noise_floor(two_arms) is None
+    assert "adaptive/both k0" not in two_arms[0]  # no second k = 0 server to pair
 
 
 def test_a_run_gives_each_arm_its_burst_in_mirrored_order_and_writes_the_table(
