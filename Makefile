@@ -126,7 +126,8 @@ bench-prefix: models
 
 # A fresh server meets a burst (issue 30): per workload and round, k = 0, adaptive and k = 0
 # again each on a server started for it alone, 4 requests at 1 stream then 32 at 16 streams,
-# 64 tokens each; adaptive / k0 and k0-again / k0 by phase, in float32 and in bfloat16.
+# 64 tokens each; adaptive / k0, k0-again / k0 and adaptive over both k = 0 servers by phase,
+# in float32 and in bfloat16.
 # Writes results/bench-{float32,bfloat16}-cold.{json,csv}, beside the warm runs of make bench.
 COLD_ROUNDS ?= 2
 COLD_ARGS = --cold-start --workloads $(BENCH_WORKLOADS) --cold-rounds $(COLD_ROUNDS)
