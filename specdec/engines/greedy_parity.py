@@ -54,12 +54,12 @@ MARGINS = {
 def bfloat16_kind(cpuinfo: str | None = None) -> str:
     """How this CPU computes bfloat16: on AMX tiles (amx_bf16, which oneDNN prefers),
     natively (avx512_bf16) or emulated."""
-    from specdec.engines.select import CPU_BF16_FLAGS, cpu_flags, read_cpuinfo
+    from specdec.engines.select import cpu_flags, cpu_has_bf16, read_cpuinfo
 
     flags = cpu_flags(read_cpuinfo() if cpuinfo is None else cpuinfo)
     if "amx_bf16" in flags:
         return "amx"
-    return "native" if flags & set(CPU_BF16_FLAGS) else "emulated"
+    return "native" if cpu_has_bf16(flags) else "emulated"
 
 
 # This host's: what the tests and tools hold bfloat16 to here.

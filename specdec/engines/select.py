@@ -45,9 +45,9 @@ def cpu_flags(cpuinfo: str) -> set[str]:
     return flags
 
 
-def cpu_has_bf16(cpuinfo: str) -> bool:
-    """Whether a /proc/cpuinfo text lists one of CPU_BF16_FLAGS on a `flags` line."""
-    return bool(cpu_flags(cpuinfo) & set(CPU_BF16_FLAGS))
+def cpu_has_bf16(flags: set[str]) -> bool:
+    """Whether a CPU's flags (cpu_flags) include one of CPU_BF16_FLAGS."""
+    return bool(flags & set(CPU_BF16_FLAGS))
 
 
 def cuda_has_bf16() -> bool:
@@ -74,7 +74,7 @@ def resolve_dtype(
         return "bfloat16" if cuda_bf16() else "float16"
     if requested == "auto":
         # Without bfloat16 instructions the CPU converts every weight it reads: float32 wins.
-        return "bfloat16" if cpu_has_bf16(cpuinfo()) else "float32"
+        return "bfloat16" if cpu_has_bf16(cpu_flags(cpuinfo())) else "float32"
     if requested == "float16" and not on_cuda:
         raise RuntimeError(
             "DTYPE=float16 runs on CUDA only (ENGINE=torch DEVICE=cuda); "
