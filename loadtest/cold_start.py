@@ -272,11 +272,8 @@ def _mean(values: list[float | None]) -> float | None:
 
 def noise_floor(rows: list[dict]) -> float | None:
     """The lowest k0-again / k0 of any round: an arm equal to k0 can read this low."""
-    ratios = [
-        row[f"{AGAIN}/{BASELINE}"]
-        for row in rows
-        if row["round"] != "mean" and row.get(f"{AGAIN}/{BASELINE}") is not None
-    ]
+    key = f"{AGAIN}/{BASELINE}"
+    ratios = [row[key] for row in rows if row["round"] != "mean" and row.get(key) is not None]
     return min(ratios) if ratios else None
 
 
