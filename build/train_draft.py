@@ -78,7 +78,7 @@ def generate_all(target: LlamaEngine, tokenizer: TextTokenizer, requests) -> lis
     sequences = [scheduler.submit(r) for r in requests]
     done, start = 0, time.time()
     while scheduler.has_work:
-        finished = sum(u.finished for u in scheduler.step())
+        finished = sum(u.finished for u in scheduler.step().updates)
         if (done + finished) // 100 > done // 100:
             print(
                 f"  {done + finished}/{len(sequences)} in {time.time() - start:.0f} s", flush=True

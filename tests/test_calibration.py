@@ -7,10 +7,11 @@ import pytest
 
 import fakes
 from fakes import FakeEngines, fake_decode, oracle_continuation
+from specdec.loop import economics
 from specdec.loop.calibration import CONTEXT_TOKENS, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
-from specdec.loop.proposers import ngram
 from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.loop.timing import StepTimer
 from specdec.text.request import GenerationRequest
 
 
@@ -125,13 +126,11 @@ def test_the_scheduler_gives_the_measurements_to_the_curves_and_still_decodes_ex
     engines = ClockedEngines(num_slots=16)
     scheduler = SpeculativeScheduler(engines, adaptive_config(), fake_decode)
     calibration = scheduler.calibrate(budget_s=100, clock=engines.clock)
-    assert scheduler.target_cost.estimate(16) == pytest.approx(
-        calibration.target[(16, 1)], rel=0.25
-    )
-    controller = scheduler.proposers["draft_model"].controller
-    assert controller.draft_step_cost.estimate(16) == pytest.approx(calibration.draft_step[16])
-    # Prompt lookup prices a second width of rows in a verify at what start-up measured.
-    assert scheduler.proposers["ngram"].width_cost.estimate(16) == pytest.approx(engines.width)
+    costs = scheduler.economics.costs
+    assert costs.target.estimate(16) == pytest.approx(calibration.target[(16, 1)], rel=0.25)
+    assert costs.draft_step.estimate(16) == pytest.approx(calibration.draft_step[16])
+    # A second width of rows in a verify is priced at what start-up measured.
+    assert costs.width.estimate(16) == pytest.approx(engines.width)
     # What calibration left in the slots changes nothing: every sequence decodes the oracle's.
     sequences = [scheduler.submit(r) for r in requests(16)]
     while scheduler.has_work:
@@ -159,7 +158,7 @@ def draft_rows_in_first_steps(calibrated: bool, steps: int = 12) -> list[int]:
 
 
 def test_a_calibrated_server_does_not_bet_the_first_burst_on_an_unmeasured_draft():
-    """Uncalibrated, the controller tries k = 1 on all 16 rows of a fresh burst to learn what
+    """Uncalibrated, the draft's k is tried at 1 on all 16 rows of a fresh burst to learn what
     a draft step costs (16 draft catch-ups of whole prompts); calibrated, it knows, and its
     first draft calls are probes of one row each."""
     assert 16 in draft_rows_in_first_steps(calibrated=False)
@@ -172,13 +171,14 @@ def first_step_lookup_rows(rows: int) -> int:
     is 37.3 ms, so one token more per row costs 1.3x at 16 rows and 1.03x at one row."""
     engines = ClockedEngines(num_slots=16, fixed=0.0373)
     config = adaptive_config()
-    config.proposers = ("ngram",)
+    config.proposer_names = ("ngram",)
     scheduler = SpeculativeScheduler(engines, config, fake_decode)
     scheduler.calibrate(budget_s=100, clock=engines.clock)
     for i in range(rows):
         scheduler.submit(GenerationRequest(None, [5 + i, 6, 7, 5 + i, 6, 7, 5 + i, 6], 20))
-    scheduler.step()
-    return sum(k > 0 for k in scheduler.last_plan.ks)
+    plan = scheduler.step().plan
+    assert plan is not None
+    return sum(k > 0 for k in plan.ks)
 
 
 def test_a_fresh_servers_lookups_bet_only_where_a_token_costs_little(monkeypatch):
@@ -188,7 +188,7 @@ def test_a_fresh_servers_lookups_bet_only_where_a_token_costs_little(monkeypatch
     worth. With the old prior of one half every row's went ahead."""
     assert first_step_lookup_rows(rows=1) == 1
     assert first_step_lookup_rows(rows=16) == 1
-    monkeypatch.setattr(ngram, "COLD_PRIOR", 0.5)
+    monkeypatch.setattr(economics, "COLD_PRIOR", 0.5)
     assert first_step_lookup_rows(rows=16) == 16
 
 
@@ -197,42 +197,43 @@ def iterations_with_lookups(monkeypatch, steps: int, rows: int, small_product=0.
     one per step and whose lookups are never accepted (the scripted target does not repeat
     the prompt); the loop times its steps by the scripted clock."""
     engines = ClockedEngines(num_slots=16, fixed=0.0373, small_product=small_product)
-    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", engines.clock)
     config = adaptive_config()
-    config.proposers = ("ngram",)
+    config.proposer_names = ("ngram",)
     scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    scheduler.engines.clock = engines.clock
+    timer = StepTimer(scheduler, clock=engines.clock)
     scheduler.calibrate(budget_s=100, clock=engines.clock)
     proposing = 0
     for step in range(steps):
         if step < rows:
             prompt = [5 + step, 6, 7, 5 + step, 6, 7, 5 + step, 6]
             scheduler.submit(GenerationRequest(None, prompt, 200))
-        scheduler.step()
-        if scheduler.last_iteration is None:  # every request finished
+        stats = timer.step().stats
+        if stats is None:  # every request finished
             break
-        proposing += scheduler.last_iteration.num_draft_tokens > 0
+        proposing += stats.num_draft_tokens > 0
     return proposing
 
 
 def test_lookup_probes_come_about_once_per_sixteen_steps_whatever_the_batch(monkeypatch):
-    """A row whose lookups are not used probes its lookup after NGRAM_PROBE_EVERY x batch
-    steps: a batch of 16 rows that joined at different steps probes about as often as one
-    row, not 16 times as often (each probe makes the verify's rows unequal in length, which
-    costs about a step's worth). With NGRAM_PROBE_EVERY steps whatever the batch, some row
-    probed in most steps."""
-    assert iterations_with_lookups(monkeypatch, 96, rows=1) <= 96 // ngram.NGRAM_PROBE_EVERY
-    assert iterations_with_lookups(monkeypatch, 96, rows=16) <= 96 // ngram.NGRAM_PROBE_EVERY
+    """A row whose lookups are not used probes its lookup after PROBE_EVERY x batch steps: a
+    batch of 16 rows that joined at different steps probes about as often as one row, not 16
+    times as often (each probe makes the verify's rows unequal in length, which costs about
+    a step's worth). With PROBE_EVERY steps whatever the batch, some row probed in most
+    steps."""
+    assert iterations_with_lookups(monkeypatch, 96, rows=1) <= 96 // economics.PROBE_EVERY
+    assert iterations_with_lookups(monkeypatch, 96, rows=16) <= 96 // economics.PROBE_EVERY
 
 
 def test_lookup_probes_space_out_where_one_more_token_costs_a_lot(monkeypatch):
     """float32 on 2 cores, 1 row: a verify of two tokens cost 86 ms against a plain step's
     50, so a probe every 16 steps cost 4% of the time. Probes then come as rarely as keeps
-    them within NGRAM_PROBE_BUDGET (1%) of plain decoding's time, as start-up measured it:
+    them within PROBE_BUDGET of plain decoding's time, as start-up measured it:
     here a lookup of 4 tokens costs 39 ms more than a plain step of 38, one probe in about
     100 steps (and the first, which no lookup of its match length had preceded)."""
     steps = 192  # a request's 200 tokens
     assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) <= 3
-    monkeypatch.setattr(ngram, "NGRAM_PROBE_BUDGET", float("inf"))  # every 16 steps
+    monkeypatch.setattr(economics, "PROBE_BUDGET", float("inf"))  # every PROBE_EVERY steps
     assert iterations_with_lookups(monkeypatch, steps, rows=1, small_product=0.035) >= 8
 
 
@@ -241,14 +242,15 @@ def lookup_share_of_one_copying_row(monkeypatch, small_product: float) -> float:
     calibrated server whose target copies the prompt."""
     monkeypatch.setattr(fakes, "oracle_next", fakes.copying_oracle)
     engines = ClockedEngines(num_slots=4, fixed=0.0373, small_product=small_product)
-    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", engines.clock)
     config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
-    config.proposers = ("ngram",)
+    config.proposer_names = ("ngram",)
     scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    scheduler.engines.clock = engines.clock
+    timer = StepTimer(scheduler, clock=engines.clock)
     scheduler.calibrate(budget_s=100, clock=engines.clock)
     sequence = scheduler.submit(GenerationRequest(None, [11, 12, 13, 14, 15, 16, 17], 200, -1))
     while scheduler.has_work:
-        scheduler.step()
+        timer.step()
     return sequence.stats.num_accepted_draft_tokens / sequence.num_output_tokens
 
 

@@ -10,15 +10,9 @@ import pytest
 import fakes
 from fakes import FakeEngines, copying_oracle, fake_decode
 from specdec.loop.config import SchedulerConfig
-from specdec.loop.controller import CostCurve
-from specdec.loop.proposers.base import TimedStep
-from specdec.loop.proposers.ngram import (
-    NgramCandidate,
-    NgramIndex,
-    NgramProposer,
-    plan_ngram_tokens,
-)
+from specdec.loop.proposers.ngram import NgramIndex
 from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.loop.timing import StepTimer
 from specdec.text.request import GenerationRequest
 
 
@@ -57,42 +51,6 @@ def test_incremental_index_agrees_with_a_scan():
             tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
 
 
-def flat_cost(per_token: float):
-    """A verify that costs 1 for the batch plus `per_token` per extra token."""
-    return lambda tokens: 1.0 + per_token * tokens
-
-
-def test_plan_takes_cheap_likely_tokens_and_stops_where_goodput_falls():
-    sure = NgramCandidate(row=0, max_tokens=8, rates=[0.9] * 8)
-    unlikely = NgramCandidate(row=1, max_tokens=8, rates=[0.05] * 8)
-    plan = plan_ngram_tokens([sure, unlikely], 2, flat_cost(0.02), margin=1.05)
-    assert plan.get(0, 0) >= 6
-    assert 1 not in plan
-    # Verify too dear: nothing pays.
-    assert plan_ngram_tokens([sure], 2, flat_cost(2.0), margin=1.05) == {}
-
-
-def test_plan_needs_the_margin():
-    # One token at 50%: 1.5 tokens for 1.1 of cost is 1.36x plain; not if the margin is 1.4.
-    candidate = NgramCandidate(row=0, max_tokens=1, rates=[0.5])
-    cost = {1: 1.0, 2: 1.1}.get
-    assert plan_ngram_tokens([candidate], 1, cost, margin=1.3) == {0: 1}
-    assert plan_ngram_tokens([candidate], 1, cost, margin=1.4) == {}
-
-
-def test_plan_prices_each_width_of_rows():
-    # 16 rows at 1 + 0.01 per token. One row's 4 tokens at 90% pay on tokens alone, not with
-    # an attention call for their width costing 0.15; eight rows' single tokens at 70% share
-    # one width, and pay with it.
-    cost = flat_cost(0.01)
-    one_long = [NgramCandidate(row=0, max_tokens=4, rates=[0.9] * 4)]
-    assert plan_ngram_tokens(one_long, 16, cost, margin=1.05) == {0: 4}
-    assert plan_ngram_tokens(one_long, 16, cost, margin=1.05, width_cost=0.15) == {}
-    eight_short = [NgramCandidate(row=r, max_tokens=1, rates=[0.7]) for r in range(8)]
-    plan = plan_ngram_tokens(eight_short, 16, cost, margin=1.05, width_cost=0.15)
-    assert plan == {r: 1 for r in range(8)}
-
-
 def repeat(prompt: list[int], num_tokens: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(num_tokens):
@@ -102,7 +60,7 @@ def repeat(prompt: list[int], num_tokens: int) -> list[int]:
 
 def make_scheduler(default_k=None, proposers=("draft_model", "ngram")):
     config = SchedulerConfig(
-        4, 256, max_draft_tokens=8, default_draft_tokens=default_k, proposers=proposers
+        4, 256, max_draft_tokens=8, default_draft_tokens=default_k, proposer_names=proposers
     )
     engines = FakeEngines(4)
     return SpeculativeScheduler(engines, config, fake_decode), engines
@@ -139,26 +97,27 @@ def test_lookups_are_priced_by_whole_iterations(monkeypatch, host_seconds_per_to
     # measured try the loop stops proposing (but for the occasional probe).
     monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
     clock = [0.0]
-    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", lambda: clock[0])
     scheduler, engines = make_scheduler()
+    scheduler.engines.clock = lambda: clock[0]
+    timer = StepTimer(scheduler, clock=lambda: clock[0])
     fake_target, build_target_batch = engines.target, scheduler._target_batch
 
     def target(batch):
         clock[0] += 0.010 + 0.0005 * len(batch.input_ids)
         return fake_target(batch)
 
-    def target_batch(batch, plan, proposals, copies, *chunks):
+    def target_batch(work, proposals):
         clock[0] += host_seconds_per_token * sum(len(p.token_ids) for p in proposals.values())
-        return build_target_batch(batch, plan, proposals, copies, *chunks)
+        return build_target_batch(work, proposals)
 
     monkeypatch.setattr(engines, "target", target)
     monkeypatch.setattr(scheduler, "_target_batch", target_batch)
     sequence = scheduler.submit(GenerationRequest(None, PROMPT, 200, end_id=-1, proposer="ngram"))
     steps = proposing = 0
     while scheduler.has_work:
-        scheduler.step()
+        result = timer.step()
         steps += 1
-        proposing += scheduler.last_iteration.num_draft_tokens > 0
+        proposing += result.stats.num_draft_tokens > 0
     assert sequence.token_ids[len(PROMPT) :] == repeat(PROMPT, 200)
     if pays:
         assert proposing > steps / 2
@@ -201,9 +160,9 @@ def test_rows_choose_their_own_proposer(monkeypatch):
     )
     seen = {copier.id: set(), drafted.id: set()}
     while scheduler.has_work:
-        scheduler.step()
+        plan = scheduler.step().plan
         for s in (copier, drafted):
-            seen[s.id].add(scheduler.last_plan.of(s)[0])
+            seen[s.id].add(plan.of(s)[0])
     assert "ngram" in seen[copier.id]
     assert "ngram" not in seen[drafted.id]
     assert copier.token_ids[len(PROMPT) :] == repeat(PROMPT, 60)
@@ -217,9 +176,9 @@ def test_num_draft_tokens_caps_the_lookup(monkeypatch):
     sequence = scheduler.submit(GenerationRequest(None, PROMPT, 30, end_id=-1, num_draft_tokens=2))
     ks, lookups = [], [0, 0]  # k per step; the lookups' [proposed, accepted]
     while scheduler.has_work:
-        scheduler.step()
-        ks.append(scheduler.last_plan.of(sequence)[1])
-        proposed, accepted = scheduler.last_iteration.by_proposer.get("ngram", [0, 0])
+        result = scheduler.step()
+        ks.append(result.plan.of(sequence)[1])
+        proposed, accepted = result.stats.by_proposer.get("ngram", [0, 0])
         lookups = [lookups[0] + proposed, lookups[1] + accepted]
     assert max(ks) == 2, ks
     assert lookups[0] >= 10 and lookups[1] == lookups[0], lookups  # copies are all accepted
@@ -233,47 +192,3 @@ def test_zero_draft_tokens_turns_speculation_off(monkeypatch):
     run_all(scheduler)
     assert sequence.stats.num_draft_tokens == 0
     assert not any(role == "draft" for role, _ in engines.calls)
-
-
-def test_whole_iterations_of_one_row_do_not_price_a_larger_batchs_tokens_at_nothing():
-    """A cold chat burst: whole iterations measured at 1 row (up to 4 tokens) reached past
-    plain decoding only for 1 row; the first 16-row step then priced its lookups at nothing
-    and verified 60 tokens, none accepted. Where the measured curve ends at the batch size,
-    the target's start-up curve prices the tokens."""
-    config = SchedulerConfig(16, 256, max_draft_tokens=8, default_draft_tokens=None)
-    target = CostCurve()
-    for tokens, seconds in ((1, 0.0334), (2, 0.0360), (16, 0.0421), (32, 0.0608), (144, 0.150)):
-        target.calibrate(tokens, seconds)
-    proposer = NgramProposer(config, FakeEngines(16), target)
-    steady(proposer, rows=1, tokens=1, seconds=0.033)
-    steady(proposer, rows=1, tokens=4, seconds=0.039)
-    cost = proposer._verify_cost(16)
-    assert cost(32) == pytest.approx(target.estimate(32, 16))
-    assert cost(32) > 1.4 * cost(16)
-    assert proposer._verify_cost(1)(4) == pytest.approx(0.039)  # measured past 1 row: its own
-
-
-def steady(proposer: NgramProposer, rows: int, tokens: int, seconds: float) -> None:
-    """A steady iteration of `rows` rows that verified `tokens` tokens in one width."""
-    widths = 1 if tokens == rows else 2
-    step = TimedStep(0.0, seconds, rows, tokens, widths, model_drafted=False)
-    proposer.observe_iteration(step, seconds)
-
-
-def test_a_batchs_lookups_are_priced_by_iterations_of_its_own_size():
-    """A 16-stream burst shrinks as its requests end: steps of 10 rows that verified 20
-    tokens cost what 10 caches cost, less than 16 rows verifying 20 do. One curve by tokens
-    for every batch size priced the 16-row step's lookups at the 10-row steps' cost."""
-    config = SchedulerConfig(16, 256, max_draft_tokens=8, default_draft_tokens=None)
-    target = CostCurve()
-    for tokens, seconds in ((1, 0.030), (16, 0.060), (32, 0.090), (144, 0.300)):
-        target.calibrate(tokens, seconds)
-    proposer = NgramProposer(config, FakeEngines(16), target)
-    steady(proposer, rows=16, tokens=16, seconds=0.100)
-    steady(proposer, rows=16, tokens=24, seconds=0.160)
-    steady(proposer, rows=10, tokens=10, seconds=0.060)
-    steady(proposer, rows=10, tokens=20, seconds=0.070)
-    assert proposer._verify_cost(16)(20) == pytest.approx(0.130)  # between 16 and 24 tokens
-    assert proposer._verify_cost(10)(20) == pytest.approx(0.070)
-    # A size never measured has no iterations of its own: the target's start-up curve.
-    assert proposer._verify_cost(12)(20) == pytest.approx(target.estimate(20, 12))

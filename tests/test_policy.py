@@ -7,43 +7,59 @@ import pytest
 
 from fakes import FakeEngines, fake_decode, oracle_continuation
 from specdec.loop.config import SchedulerConfig
-from specdec.loop.controller import Choice, CostCurve
+from specdec.loop.economics import Choice, OtherRow
 from specdec.loop.policy import ProposerPolicy
 from specdec.loop.proposers import REGISTRY
-from specdec.loop.proposers.base import Candidate, Proposal, Proposer
+from specdec.loop.proposers.base import Candidate, Offer, Proposal, Proposer
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState
 from specdec.text.request import GenerationRequest
 
 
 class ScriptedProposer(Proposer):
-    """Takes the rows whose first prompt token is in `takes`, at k = `k`; records its offers."""
+    """Offers `k` tokens to every row (0 to those whose first prompt token is in `none`)."""
 
-    calls_model = False
+    verdicts_per_probe = 1
 
-    def __init__(self, name: str, takes: set[int], k: int, calls_model: bool = False) -> None:
+    def __init__(self, name: str, k: int, calls_model: bool = False, none=()) -> None:
         self.name = name  # type: ignore[misc]  # an instance's name: several in one test
         self.calls_model = calls_model  # type: ignore[misc]
-        self.takes, self.k = takes, k
-        self.chosen_k = 0
-        self.offers: list[tuple[list[int], int, list[int]]] = []  # (first tokens, size, fixed)
+        self.k, self.none = k, set(none)
 
-    def plan_exact(self, candidate: Candidate) -> int:
-        return candidate.max_k
-
-    def plan(self, candidates, batch_size, fixed_ks):
-        self.offers.append(([c.sequence.token_ids[0] for c in candidates], batch_size, fixed_ks))
-        return {
-            i: min(self.k, c.max_k)
-            for i, c in enumerate(candidates)
-            if c.sequence.token_ids[0] in self.takes
-        }
+    def offer(self, candidate: Candidate) -> Offer:
+        if candidate.sequence.token_ids[0] in self.none:
+            return Offer(0)
+        return Offer(min(self.k, candidate.max_k), key=candidate.sequence.token_ids[0])
 
     def propose(self, rows, ks, copies):
         return [Proposal([0] * k) for k in ks]
 
-    def observe(self, sequence, k, num_accepted):
-        pass
+
+class ScriptedPlanners:
+    """The cost model's planners, scripted: a lookup planner takes the offers of rows whose
+    first token is in `takes`; a model planner chooses `k`. Each records what it was asked."""
+
+    def __init__(self, takes=(), k=0, probe=False) -> None:
+        self.takes, self.k, self.probe = set(takes), k, probe
+        self.asked: list = []
+        self.rows: dict[int, int | None] = {}
+
+    def offered(self, sequence_id, key):
+        self.rows[sequence_id] = key
+
+    def plan(self, offers, sequence_ids, batch_size):
+        self.asked.append(([(o.row, o.max_tokens, o.key) for o in offers], batch_size))
+        return {o.row: o.max_tokens for o in offers if o.key in self.takes}
+
+    def choose(self, num_adaptive, others):
+        self.asked.append((num_adaptive, others))
+        return Choice(self.k, self.probe)
+
+
+class ScriptedEconomics:
+    def __init__(self, lookup: ScriptedPlanners, model: ScriptedPlanners) -> None:
+        self.lookup_planners = {"ngram": lookup}
+        self.model_planners = {"draft_model": model}
 
 
 def config(**kw) -> SchedulerConfig:
@@ -56,37 +72,47 @@ def row(first_token: int, max_tokens: int = 50, **kw) -> SequenceState:
     return SequenceState(request, detokenizer=None, seed=0, token_ids=list(request.prompt_ids))  # type: ignore[arg-type]
 
 
+def scripted_policy(server: SchedulerConfig, takes=(), k=0, probe=False):
+    lookup, model = ScriptedPlanners(takes=takes), ScriptedPlanners(k=k, probe=probe)
+    proposers = {
+        "draft_model": ScriptedProposer("draft_model", k=server.max_draft_tokens, calls_model=True),
+        "ngram": ScriptedProposer("ngram", k=2, none={5}),
+    }
+    economics = ScriptedEconomics(lookup, model)
+    return ProposerPolicy(server, proposers, economics), lookup, model  # type: ignore[arg-type]
+
+
 def test_lookups_plan_first_and_the_model_gets_only_the_rows_they_left():
-    lookup = ScriptedProposer("ngram", takes={1, 3}, k=2)
-    model = ScriptedProposer("draft_model", takes={2, 3, 4}, k=4, calls_model=True)
-    policy = ProposerPolicy(config(), {"draft_model": model, "ngram": lookup})
-    batch = [row(1), row(2), row(3), row(4, num_draft_tokens=0)]
+    policy, lookup, model = scripted_policy(config(), takes={1, 3}, k=4)
+    batch = [row(1), row(2), row(3), row(4, num_draft_tokens=0), row(5)]
     plan = policy.plan(batch)
-    assert plan.proposers == ["ngram", "draft_model", "ngram", None]
-    assert plan.ks == [2, 4, 2, 0]
-    assert plan.calls == {"ngram": [0, 2], "draft_model": [1]}
-    assert lookup.offers == [([1, 2, 3], 4, [0])]
-    assert model.offers == [([2], 4, [0])]  # row 4 asked for no speculation: a fixed k of 0
-    assert policy.calls_a_model(plan)
+    assert plan.row_proposers == ["ngram", "draft_model", "ngram", None, "draft_model"]
+    assert plan.ks == [2, 4, 2, 0, 4]
+    assert plan.calls == {"ngram": [0, 2], "draft_model": [1, 4]}
+    # Row 4 asked for no speculation; row 5 has no lookup: neither is offered to the planner.
+    assert lookup.asked == [([(0, 2, 1), (1, 2, 2), (2, 2, 3)], 5)]
+    # The model's choice sees the batch's other rows: two lookups and a plain row.
+    others = [OtherRow(2, model=False), OtherRow(2, model=False), OtherRow(0, model=False)]
+    assert model.asked == [(2, others)]
+    assert plan.chosen_k == 4
+    assert plan.calls_a_model
 
 
 def test_a_fixed_k_goes_to_the_first_proposer_and_is_capped_by_max_tokens_and_context():
-    lookup = ScriptedProposer("ngram", takes=set(), k=2)
-    model = ScriptedProposer("draft_model", takes=set(), k=4, calls_model=True)
-    policy = ProposerPolicy(config(), {"draft_model": model, "ngram": lookup})
+    policy, lookup, model = scripted_policy(config())
     fixed = {"num_draft_tokens": 5, "fixed_num_draft_tokens": True}
     batch = [
         row(1, **fixed),  # the server's first proposer: the draft model
-        row(2, **fixed, proposer="ngram"),
+        row(2, **fixed, proposer="ngram"),  # a lookup has at most its offer: 2
         row(3, max_tokens=3, **fixed),  # 2 more tokens after this one's: k <= 2 - 0
         row(4, num_draft_tokens=9),  # a cap above the server's: max_draft_tokens
     ]
     plan = policy.plan(batch)
-    assert plan.ks[:3] == [5, 5, 2]
-    assert plan.proposers[:3] == ["draft_model", "ngram", "draft_model"]
-    # The model's fixed rows reach its choice as fixed k; the lookup's fixed row does not.
-    assert model.offers == [([4], 4, [5, 2])]
-    assert lookup.offers == [([4], 4, [5, 2])]
+    assert plan.ks[:3] == [5, 2, 2]
+    assert plan.row_proposers[:3] == ["draft_model", "ngram", "draft_model"]
+    assert lookup.rows == {batch[1].id: 2}  # the fixed row's verdict counts under its key
+    # The model's fixed rows reach its choice as other rows that it drafts.
+    assert model.asked == [(1, [OtherRow(5, True), OtherRow(2, False), OtherRow(2, True)])]
     assert plan.ks[3] == 0  # neither took it: plain decoding
     long = row(5, max_tokens=1000)
     long.token_ids += [7] * 60  # one position left in the slot
@@ -96,59 +122,59 @@ def test_a_fixed_k_goes_to_the_first_proposer_and_is_capped_by_max_tokens_and_co
 
 
 def test_a_server_default_k_is_exact_and_zero_turns_speculation_off():
-    model = ScriptedProposer("draft_model", takes={1}, k=4, calls_model=True)
-    server = config(default_draft_tokens=3, proposers=("draft_model",))
-    policy = ProposerPolicy(server, {"draft_model": model})
+    server = config(default_draft_tokens=3, proposer_names=("draft_model",))
+    policy, _, model = scripted_policy(server)
     plan = policy.plan([row(1), row(2, num_draft_tokens=0)])
-    assert plan.ks == [3, 0] and plan.proposers == ["draft_model", None]
+    assert plan.ks == [3, 0] and plan.row_proposers == ["draft_model", None]
+    assert model.asked == [(0, [OtherRow(3, True), OtherRow(0, False)])]
 
 
 def test_the_draft_models_probe_catches_up_one_greedy_row_without_proposing(monkeypatch):
-    model = REGISTRY["draft_model"](config(), FakeEngines(8), CostCurve())
-    policy = ProposerPolicy(config(proposers=("draft_model",)), {"draft_model": model})
-    monkeypatch.setattr(model.controller, "choose", lambda n, fixed: Choice(0, True, 0.0))
+    server = config(proposer_names=("draft_model",))
+    scheduler = SpeculativeScheduler(FakeEngines(8), server, fake_decode)
+    planner = scheduler.economics.model_planners["draft_model"]
+    monkeypatch.setattr(planner, "choose", lambda n, others: Choice(0, probe=True))
     behind, sampled, fresh = row(1), row(2, temperature=0.7), row(3)
     for sequence in (behind, sampled):  # 10 output tokens the draft has not seen
         sequence.token_ids += list(range(10))
-    plan = policy.plan([fresh, sampled, behind])
-    assert plan.ks == [0, 0, 0] and plan.proposers == [None, None, None]
+    plan = scheduler.policy.plan([fresh, sampled, behind])
+    assert plan.ks == [0, 0, 0] and plan.row_proposers == [None, None, None]
     assert plan.calls == {"draft_model": [2]}  # called for the greedy row that fell behind
-    assert policy.calls_a_model(plan)
+    assert plan.calls_a_model
 
 
 def test_the_scheduler_runs_a_new_proposer_from_its_registration(monkeypatch):
-    """A proposer that guesses the previous token again: one class and one registry line.
-    The fakes' target rarely repeats a token, so most guesses are rejected; output stays
-    the target's greedy text, and the proposer sees every verdict and every row's end."""
+    """A proposer that guesses the previous token again: one class and one registry line,
+    no economics of its own. The cost model probes its offers (no verdict has reached
+    them yet) and learns what they are worth; the fakes' target rarely repeats a token, so
+    most guesses are rejected. Output stays the target's greedy text, and the proposer sees
+    every row's end."""
 
     class RepeatProposer(Proposer):
         name = "repeat"
         calls_model = False
+        verdicts_per_probe = 1
 
-        def __init__(self, config, engines, target_cost) -> None:
-            super().__init__(config, engines, target_cost)
-            self.verdicts: list[tuple[int, int]] = []
+        def __init__(self, config, engines) -> None:
+            super().__init__(config, engines)
+            self.offered: set[int] = set()
             self.live: set[int] = set()
             self.released: list[int] = []
 
-        def plan_exact(self, candidate):
-            return candidate.max_k
-
-        def plan(self, candidates, batch_size, fixed_ks):
-            return {i: min(2, c.max_k) for i, c in enumerate(candidates)}
+        def offer(self, candidate):
+            self.offered.add(candidate.sequence.id)
+            return Offer(min(2, candidate.max_k))
 
         def propose(self, rows, ks, copies):
             self.live |= {s.id for s in rows}
             return [Proposal([s.token_ids[-1]] * k) for s, k in zip(rows, ks, strict=True)]
 
-        def observe(self, sequence, k, num_accepted):
-            self.verdicts.append((k, num_accepted))
-
         def release(self, sequence):
             self.released.append(sequence.id)
 
     monkeypatch.setitem(REGISTRY, "repeat", RepeatProposer)
-    scheduler = SpeculativeScheduler(FakeEngines(8), config(proposers=("repeat",)), fake_decode)
+    server = config(proposer_names=("repeat",))
+    scheduler = SpeculativeScheduler(FakeEngines(8), server, fake_decode)
     prompts = [[i + 1, 2 * i + 3] for i in range(5)]
     sequences = [scheduler.submit(GenerationRequest(None, p, 20, end_id=-1)) for p in prompts]
     while scheduler.has_work:
@@ -157,8 +183,10 @@ def test_the_scheduler_runs_a_new_proposer_from_its_registration(monkeypatch):
         assert sequence.token_ids[2:] == oracle_continuation(prompt, 20)
     proposer = scheduler.proposers["repeat"]
     assert isinstance(proposer, RepeatProposer)
-    assert proposer.verdicts and all(k == 2 for k, _ in proposer.verdicts[:5])
-    assert sorted(proposer.released) == sorted(s.id for s in sequences) == sorted(proposer.live)
+    window = scheduler.economics.lookup_planners["repeat"].window(None)
+    assert window.explored and window.accepted[0] < window.tried[0]  # mostly rejected
+    assert proposer.live and proposer.live <= proposer.offered
+    assert sorted(proposer.released) == sorted(s.id for s in sequences)
 
 
 @pytest.mark.parametrize("end", ["finish", "cancel", "fail"])
@@ -167,7 +195,8 @@ def test_prompt_lookup_drops_a_rows_state_when_it_ends(end):
     sequence = scheduler.submit(GenerationRequest(None, [5, 6, 5, 6], 30, end_id=-1))
     scheduler.step()
     lookup = scheduler.proposers["ngram"]
-    assert sequence.id in lookup.rows  # type: ignore[attr-defined]
+    planner = scheduler.economics.lookup_planners["ngram"]
+    assert sequence.id in lookup.indexes and sequence.id in planner.rows  # type: ignore[attr-defined]
     if end == "cancel":
         scheduler.cancel(sequence)
         scheduler.step()
@@ -175,4 +204,4 @@ def test_prompt_lookup_drops_a_rows_state_when_it_ends(end):
         scheduler.fail_all()
     while scheduler.has_work:
         scheduler.step()
-    assert lookup.rows == {}  # type: ignore[attr-defined]
+    assert lookup.indexes == lookup.lookups == planner.rows == {}  # type: ignore[attr-defined]

@@ -123,8 +123,8 @@ def test_a_next_turn_adopts_the_finished_turns_slot(temperature):
             reused = len(first.token_ids) - 1  # all that turn 1's target cache held
             assert second.num_copied_positions == reused
             assert first_target == [len(second_prompt) - reused + 2]
-            assert scheduler.prefix_counts.num_hits == 1
-            assert scheduler.prefix_counts.num_reused_tokens == reused
+            assert scheduler.snapshot().prefix_counts.num_hits == 1
+            assert scheduler.snapshot().prefix_counts.num_reused_tokens == reused
             assert engines.copies == []  # adopted: nothing copied
     assert outputs[0] == outputs[1]
     if temperature == 0.0:
@@ -150,11 +150,11 @@ def test_cached_prefixes_never_make_a_request_wait():
     for first in (1, 2):
         scheduler.submit(request([first] * 6, 2))
     run_all(scheduler)
-    assert scheduler.num_free_slots == 2  # both slots hold a cached prefix
+    assert scheduler.snapshot().num_free_slots == 2  # both slots hold a cached prefix
     unrelated = [scheduler.submit(request([t] * 6, 2)) for t in (3, 4)]
     scheduler.step()
     assert all(s.slot >= 0 for s in unrelated)  # both joined at once
-    assert scheduler.prefix_counts.num_evictions == 2
+    assert scheduler.snapshot().prefix_counts.num_evictions == 2
     run_all(scheduler)
     for s in unrelated:
         assert s.token_ids[6:] == oracle_continuation(s.request.prompt_ids, 2)

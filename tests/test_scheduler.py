@@ -9,8 +9,9 @@ import fakes
 from fakes import FakeEngines, fake_decode, oracle_continuation
 from specdec.loop.admission import QueueFull
 from specdec.loop.config import SchedulerConfig
-from specdec.loop.controller import Choice
+from specdec.loop.economics import Choice, StepShape
 from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.loop.timing import StepTimer
 from specdec.text.request import GenerationRequest
 from stats import chi_square, critical_0_001
 
@@ -28,12 +29,14 @@ def request(prompt, max_tokens, **kw) -> GenerationRequest:
     return GenerationRequest(prompt=None, prompt_ids=list(prompt), max_tokens=max_tokens, **kw)
 
 
-def run_all(scheduler, limit=10_000):
+def run_all(scheduler, limit=10_000, timer=None):
+    """Steps until every request is done (through `timer`, a StepTimer, if given)."""
+    step = timer.step if timer is not None else scheduler.step
     updates = []
     for _ in range(limit):
         if not scheduler.has_work:
             return updates
-        updates += scheduler.step()
+        updates += step().updates
     raise AssertionError("loop did not finish")
 
 
@@ -52,14 +55,13 @@ def test_requests_join_and_leave_at_step_boundaries():
     first = scheduler.submit(request([1], 4))
     second = scheduler.submit(request([2], 30))
     third = scheduler.submit(request([3], 6))  # waits for a slot
-    scheduler.step()
-    assert [s.id for s in scheduler.running] == [first.id, second.id]
+    assert [s.id for s in scheduler.step().snapshot.running] == [first.id, second.id]
     assert third.slot == -1
     run_all(scheduler)
     assert third.token_ids[1:] == oracle_continuation([3], 6)
     # One draft call and one target call per step, never more rows than slots.
     assert max(size for _, size in engines.calls) <= 2
-    assert scheduler.num_free_slots == 2
+    assert scheduler.snapshot().num_free_slots == 2
 
 
 def test_each_request_keeps_its_own_k():
@@ -128,10 +130,10 @@ def test_cancel_frees_the_slot_at_the_next_step():
     b = scheduler.submit(request([2], 10))
     scheduler.step()
     scheduler.cancel(a)
-    scheduler.step()
+    result = scheduler.step()
     assert a.finish_reason == "cancelled"
     assert a.slot == -1
-    assert a not in scheduler.running
+    assert a not in result.snapshot.running
     run_all(scheduler)
     assert b.token_ids[1:] == oracle_continuation([2], 10)
 
@@ -143,7 +145,7 @@ def test_engine_failure_ends_every_request_and_the_loop_goes_on():
         run_all(scheduler)
     ended = scheduler.fail_all()
     assert {s.id for s in ended} == {s.id for s in running}
-    assert scheduler.num_free_slots == 4
+    assert scheduler.snapshot().num_free_slots == 4
     after = scheduler.submit(request([7], 8))
     run_all(scheduler)
     assert after.token_ids[1:] == oracle_continuation([7], 8)
@@ -164,17 +166,20 @@ def test_streamed_chunks_join_to_the_final_text():
     assert "".join(chunks) == fake_decode(oracle_continuation([3, 1], 25))
 
 
-def test_rows_with_their_own_k_are_not_booked_as_the_adaptive_cost():
-    # A batch of requests that fix k = 4 runs with the controller's choice at 0; its
-    # iterations must not be measured as what k = 0 costs (they cost a k = 4 iteration).
+def test_rows_with_their_own_k_are_booked_as_what_they_cost():
+    # A batch of requests that fix k = 4 runs with the draft's adaptive k at 0; its
+    # iterations must be measured as k = 4 iterations, not as what plain decoding costs.
     scheduler, _ = make_scheduler(k=None)
+    timer = StepTimer(scheduler)
     for i in range(2):
         scheduler.submit(request([i + 1], 30, num_draft_tokens=4, fixed_num_draft_tokens=True))
-    run_all(scheduler)
-    assert scheduler.proposers["draft_model"].controller.iteration_cost == {}
-    scheduler.submit(request([9], 30))  # adaptive: its iterations are measured
-    run_all(scheduler)
-    assert scheduler.proposers["draft_model"].controller.iteration_cost
+    run_all(scheduler, timer=timer)
+    costs = scheduler.economics.costs
+    assert set(costs.iterations) == {(2, 4)}  # two rows, a 4-step draft call
+    assert costs.measured(StepShape(2, 10, 1, 4)) is not None
+    scheduler.submit(request([9], 30))  # adaptive, alone: plain decoding, measured
+    run_all(scheduler, timer=timer)
+    assert costs.measured(StepShape(1, 1, 1, None)) is not None
 
 
 def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
@@ -187,19 +192,17 @@ def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
             clock[0] += 0.010
             return super().target(batch)
 
-    monkeypatch.setattr("specdec.loop.scheduler.time.perf_counter", lambda: clock[0])
     engines = TimedEngines(4)
     config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
     scheduler = SpeculativeScheduler(engines, config, fake_decode)
+    timer = StepTimer(scheduler, clock=lambda: clock[0])
     scheduler.submit(request([1], 30))
-    run_all(scheduler)
+    run_all(scheduler, timer=timer)
     clock[0] += 0.015  # the client's round trip: shorter than three steps
     scheduler.submit(request([2], 30))
-    scheduler.step()
-    controller = scheduler.proposers["draft_model"].controller
-    booked = [s for s, _ in controller.iteration_cost.values()] + list(
-        controller.probe_cost.values()
-    )
+    timer.step()
+    curves = scheduler.economics.costs.iterations.values()
+    booked = [seconds for curve in curves for seconds in curve.seconds.values()]
     assert booked and all(s == pytest.approx(0.010) for s in booked)
 
 
@@ -218,18 +221,18 @@ def test_a_probe_scores_the_drafts_guesses_of_plain_tokens_without_a_verify(monk
     engines.target = recording_target
     config = SchedulerConfig(4, 256, max_draft_tokens=8, default_draft_tokens=None)
     scheduler = SpeculativeScheduler(engines, config, fake_decode)
-    controller = scheduler.proposers["draft_model"].controller
+    planner = scheduler.economics.model_planners["draft_model"]
     sequence = scheduler.submit(request([5, 6, 7], 40))
-    monkeypatch.setattr(controller, "choose", lambda n, fixed: Choice(0, False, 0.0))
+    monkeypatch.setattr(planner, "choose", lambda n, others: Choice(0))
     for _ in range(20):
         scheduler.step()
     assert sequence.num_output_tokens == 20 and not any(r == "draft" for r, _ in engines.calls)
-    monkeypatch.setattr(controller, "choose", lambda n, fixed: Choice(0, True, 0.0))
+    monkeypatch.setattr(planner, "choose", lambda n, others: Choice(0, probe=True))
     scheduler.step()
     assert engines.calls[-2:] == [("draft", 1), ("target", 1)]
     assert target_steps[-1] == [1]
     # The fake draft misses tokens at lengths divisible by 3: 7 of the outputs at 3..22.
-    window = controller.acceptance
+    window = planner.acceptance
     assert window.tried[0] == pytest.approx((1 - window.decay**20) / (1 - window.decay))
     assert window.accepted[0] / window.tried[0] == pytest.approx(13 / 20)
     assert sequence.draft_cache_length == len(sequence.token_ids) - 1  # caught up
@@ -288,9 +291,9 @@ def test_a_request_group_is_queued_whole_or_not_at_all():
     scheduler, _ = make_scheduler(num_slots=1, max_queue=2)
     with pytest.raises(QueueFull):
         scheduler.submit_all([request([1], 5, num_return_sequences=4)])
-    assert not scheduler.waiting
+    assert scheduler.snapshot().num_waiting == 0
     scheduler.submit_all([request([1], 5, num_return_sequences=3)])
-    assert len(scheduler.waiting) == 3
+    assert scheduler.snapshot().num_waiting == 3
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -305,7 +308,7 @@ def test_log_probs_are_the_targets_and_do_not_depend_on_k(k):
 def test_times_are_ordered_and_come_from_the_clock():
     scheduler, _ = make_scheduler(k=2)
     ticks = iter(range(1000, 100_000, 10))
-    scheduler.clock = lambda: next(ticks)
+    scheduler.admission.clock = lambda: next(ticks)
     s = scheduler.submit(request([1, 2], 9))
     run_all(scheduler)
     times = s.times

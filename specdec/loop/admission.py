@@ -118,8 +118,7 @@ class Admission:
             self.slots.copied(match)
         else:
             sequence.slot = self.slots.adopt(match)
-            sequence.target_cache_length = sequence.num_copied_positions = match.length
-            sequence.draft_cache_length = match.draft_length
+            sequence.start_from(match.length, match.draft_length)
         if key is not None:
             self.running_by_key.setdefault(key, set()).add(sequence)
 
@@ -156,11 +155,12 @@ class Admission:
                 continue
             length = sequence.copy_length
             target_copies.append((sequence.copy_source_slot, sequence.slot, length))
-            sequence.target_cache_length = sequence.num_copied_positions = length
-            draft_length = min(source.draft_cache_length, length)
-            if copy_draft and draft_length > 0:
+            draft_length: int | None = min(source.draft_cache_length, length)
+            if copy_draft and draft_length:
                 draft_copies.append((sequence.copy_source_slot, sequence.slot, draft_length))
-                sequence.draft_cache_length = draft_length
+            else:
+                draft_length = None  # the draft catches up instead
+            sequence.start_from(length, draft_length)
             sequence.copy_source_slot, sequence.copy_from = -1, None
         return target_copies, draft_copies
 

@@ -1,13 +1,13 @@
 """Start-up cost measurement: what the engines cost at the batch sizes and k the loop will
 use, measured before the first request is served.
 
-On a fresh server the cost curves that the proposers price tokens by (CostCurve,
-specdec/loop/controller.py) are empty. The draft model's controller then tries k = 1 once on
-the whole batch to learn what a draft step costs (at 16 rows: 16 draft catch-ups of whole
-prompts), and prompt lookup prices extra verify tokens at nothing until a longer verify has
-been measured. Both are bets that the first burst of requests pays for. With the curves
-filled here, the first choices are priced from measurements; only acceptance is unknown,
-and the proposers learn it from probes (specdec/loop/controller.py, proposers/ngram.py).
+On a fresh server the cost curves that every proposer's tokens are priced by
+(specdec/loop/economics.py) are empty. The draft model's k is then tried at 1 once on the
+whole batch to learn what a draft step costs (at 16 rows: 16 draft catch-ups of whole
+prompts), and prompt lookup's extra verify tokens are priced at nothing until a longer
+verify has been measured. Both are bets that the first burst of requests pays for. With the
+curves filled here, the first choices are priced from measurements; only acceptance is
+unknown, and the cost model learns it from probes.
 
 `calibrate` runs on free slots, before the loop serves. For each batch size of the plan,
 smallest first, it gives the slots it has not used yet a short context (CONTEXT_TOKENS, one
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.engines.wire import EngineBatch, Engines
-from specdec.loop.controller import CostCurve
+from specdec.loop.economics import CostCurve
 
 CONTEXT_TOKENS = 8  # positions each calibration row has before the timed calls
 ROWS_CAP = 64  # beyond this many rows the curves extrapolate (linear in tokens)

@@ -19,7 +19,7 @@ class SchedulerConfig:
     max_draft_tokens: int  # upper bound on k
     default_draft_tokens: int | None  # k for requests without num_draft_tokens; None: adaptive
     max_queue: int = 1024  # waiting requests beyond this are refused
-    proposers: tuple[str, ...] = PROPOSERS  # those the server runs, in order of preference
+    proposer_names: tuple[str, ...] = PROPOSERS  # those the server runs, in order of preference
     ngram_match_lengths: tuple[int, ...] = DEFAULT_MATCH_LENGTHS
     # Prompts that start with at least this many tokens of a cached or running sequence's
     # start from them (specdec/loop/prefix_cache.py); None: no reuse across requests.

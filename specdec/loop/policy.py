@@ -2,10 +2,11 @@
 
 A row whose request (or the server default) fixes k gets exactly that from its first
 proposer. The other rows are offered to the proposers that cost no model call first (prompt
-lookup takes the rows where its plan pays), then to the model proposers (the draft model's
-goodput controller, which turns speculation off where it does not pay). A row no proposer
-takes decodes plainly at no extra cost. Planning runs no engine: it only reads the rows and
-the proposers' measurements, so it can be tested on its own.
+lookup takes the rows where its tokens pay), then to the model proposers (the draft model's
+one k, which is 0 where it does not pay). How many tokens pay is the cost model's
+(specdec/loop/economics.py); a row no proposer takes decodes plainly at no extra cost.
+Planning runs no engine: it reads the rows, the proposers' offers and the cost model, so it
+can be tested on its own.
 """
 
 from __future__ import annotations
@@ -13,25 +14,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.loop.config import SchedulerConfig
+from specdec.loop.economics import Economics, OtherRow, RowOffer
 from specdec.loop.proposers.base import Candidate, Proposer
 from specdec.loop.sequence import SequenceState
 
 
 @dataclass
 class StepPlan:
-    """One step's plan, by batch row."""
+    """One step's proposals by batch row: who proposes, and how many tokens."""
 
     batch: list[SequenceState]
     ks: list[int]  # draft tokens per row (0: plain decoding)
-    proposers: list[str | None]  # who proposes each row's tokens (None where k = 0)
+    row_proposers: list[str | None]  # who proposes each row's tokens (None where k = 0)
+    row_model: list[bool]  # the row's proposer calls a model (a catch-up at k = 0 too)
     # Proposer name -> the rows it is called for, in batch order: the rows it proposes for,
     # and those whose draft only catches up (k = 0; a model proposer's probe).
     calls: dict[str, list[int]] = field(default_factory=dict)
-    chosen_k: int = 0  # the model proposer's one k for its adaptive rows
+    chosen_k: int = 0  # a model proposer's one k for its adaptive rows
 
     def assign(self, row: int, proposer: Proposer, k: int) -> None:
         self.ks[row] = k
-        self.proposers[row] = proposer.name if k > 0 else None
+        self.row_proposers[row] = proposer.name if k > 0 else None
+        self.row_model[row] = proposer.calls_model
         if k > 0 or proposer.calls_model:
             self.calls.setdefault(proposer.name, []).append(row)
 
@@ -39,14 +43,22 @@ class StepPlan:
         """The sequence's proposer and k in this step (None, 0 if it was not in the batch)."""
         for row, member in enumerate(self.batch):
             if member is sequence:
-                return self.proposers[row], self.ks[row]
+                return self.row_proposers[row], self.ks[row]
         return None, 0
+
+    @property
+    def calls_a_model(self) -> bool:
+        """A model proposer is called (the draft's cache copies ride on its call)."""
+        return any(self.row_model[r] for rows in self.calls.values() for r in rows)
 
 
 class ProposerPolicy:
-    def __init__(self, config: SchedulerConfig, proposers: dict[str, Proposer]) -> None:
+    def __init__(
+        self, config: SchedulerConfig, proposers: dict[str, Proposer], economics: Economics
+    ) -> None:
         self.config = config
         self.proposers = proposers
+        self.economics = economics
         # Proposers without a model call plan first: a lookup that does not pay costs nothing.
         self.planning_order = sorted(proposers.values(), key=lambda p: p.calls_model)
 
@@ -69,35 +81,72 @@ class ProposerPolicy:
         return max(0, min(k, self.config.max_draft_tokens, remaining, room))
 
     def plan(self, batch: list[SequenceState]) -> StepPlan:
-        plan = StepPlan(batch, ks=[0] * len(batch), proposers=[None] * len(batch))
+        num_rows = len(batch)
+        plan = StepPlan(batch, [0] * num_rows, [None] * num_rows, [False] * num_rows)
         offered: dict[str, list[int]] = {name: [] for name in self.proposers}  # adaptive rows
-        fixed_ks: list[int] = []  # rows outside the model proposers' choice
         max_ks = []
         for row, sequence in enumerate(batch):
             limit, exact = self.row_limit(sequence)
             max_ks.append(self.cap(sequence, limit))
             request_proposer = sequence.request.proposer
-            names = (request_proposer,) if request_proposer else self.config.proposers
+            names = (request_proposer,) if request_proposer else self.config.proposer_names
             if limit == 0 or not names:
-                fixed_ks.append(0)
-            elif exact:
-                proposer = self.proposers[names[0]]
-                plan.assign(row, proposer, proposer.plan_exact(Candidate(sequence, max_ks[row])))
-                if proposer.calls_model:
-                    fixed_ks.append(plan.ks[row])
+                continue
+            if exact:
+                self._assign_exact(plan, row, self.proposers[names[0]], max_ks[row])
             else:
                 for name in names:
                     offered[name].append(row)
         for proposer in self.planning_order:
-            rows = [r for r in offered[proposer.name] if plan.proposers[r] is None]
+            rows = [r for r in offered[proposer.name] if plan.row_proposers[r] is None]
             candidates = [Candidate(batch[r], max_ks[r]) for r in rows]
-            for i, k in proposer.plan(candidates, len(batch), fixed_ks).items():
+            if proposer.calls_model:
+                ks = self._plan_model(plan, proposer, rows, candidates)
+            else:
+                ks = self._plan_lookups(proposer, candidates, len(batch))
+            for i, k in ks.items():
                 plan.assign(rows[i], proposer, k)
         for rows in plan.calls.values():
             rows.sort()  # batch order, fixed-k rows among the others
-        plan.chosen_k = max((p.chosen_k for p in self.proposers.values()), default=0)
         return plan
 
-    def calls_a_model(self, plan: StepPlan) -> bool:
-        """A model proposer is called this step (the draft's cache copies ride on its call)."""
-        return any(self.proposers[name].calls_model for name in plan.calls)
+    def _assign_exact(self, plan: StepPlan, row: int, proposer: Proposer, max_k: int) -> None:
+        """The row's request fixed k: exactly that many, or as many as the proposer has."""
+        offer = proposer.offer(Candidate(plan.batch[row], max_k))
+        if not proposer.calls_model:
+            self.economics.lookup_planners[proposer.name].offered(plan.batch[row].id, offer.key)
+        plan.assign(row, proposer, min(offer.num_tokens, max_k))
+
+    def _plan_lookups(
+        self, proposer: Proposer, candidates: list[Candidate], batch_size: int
+    ) -> dict[int, int]:
+        offers = []
+        for i, candidate in enumerate(candidates):
+            offer = proposer.offer(candidate)
+            if offer.num_tokens > 0:
+                offers.append(RowOffer(i, offer.num_tokens, offer.key))
+        if not offers:
+            return {}
+        planner = self.economics.lookup_planners[proposer.name]
+        return planner.plan(offers, [c.sequence.id for c in candidates], batch_size)
+
+    def _plan_model(
+        self, plan: StepPlan, proposer: Proposer, rows: list[int], candidates: list[Candidate]
+    ) -> dict[int, int]:
+        """The model planner's one k for its adaptive rows, given the batch's other rows; a
+        probe as the proposer makes it."""
+        taken = set(rows)
+        others = [
+            OtherRow(plan.ks[r], plan.row_model[r])
+            for r in range(len(plan.batch))
+            if r not in taken
+        ]
+        choice = self.economics.model_planners[proposer.name].choose(len(candidates), others)
+        plan.chosen_k = max(plan.chosen_k, choice.k)
+        ks = {i: min(choice.k, c.max_k) for i, c in enumerate(candidates)}
+        ks = {i: k for i, k in ks.items() if k > 0}
+        probe = proposer.probe(candidates) if choice.probe else None
+        if probe is not None:
+            row, k = probe
+            ks[row] = k
+        return ks

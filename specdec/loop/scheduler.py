@@ -1,18 +1,25 @@
 """The speculate-verify loop with in-flight batching (arXiv 2211.17192, 2302.01318).
 
-One `step()` serves every running sequence:
-1. admission: waiting sequences take free KV slots (specdec/loop/admission.py);
-2. plan: each row's proposer and k (specdec/loop/policy.py);
-3. propose: each proposer proposes for all its rows at once; the draft model is called
-   only when some row drafts with it (or catches up to probe);
-4. verify: one target call checks every row's proposals;
-5. commit: each row accepts its own prefix, plus a recovered or bonus token; a rejected
-   draft token is rolled back by a shorter cache length.
-This module never sees Triton: `Engines` is two calls (specdec/engines/wire.py).
+One `step()` serves every running sequence, in three parts:
+1. plan: waiting sequences take free KV slots (specdec/loop/admission.py); long prompts are
+   split into chunks; each row gets its proposer and k (specdec/loop/policy.py), and the
+   cache copies the calls make are planned. The plan is a value (`StepPlan`, `StepWork`):
+   no engine has run yet.
+2. execute: each proposer proposes for all its rows at once (the draft model is called only
+   when some row drafts with it, or catches up to probe); one target call checks every row's
+   proposals.
+3. commit: each row accepts its own prefix, plus a recovered or bonus token; a rejected
+   draft token is rolled back by a shorter cache length. The verdicts go to the cost model
+   (specdec/loop/economics.py).
+Timing observes from outside (specdec/loop/timing.py): the engine calls are metered, and a
+StepTimer books each steady step's whole cost. This module never sees Triton: `Engines` is
+two calls (specdec/engines/wire.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,12 +30,13 @@ from specdec.engines.wire import EngineBatch, EngineResult, Engines
 from specdec.loop.admission import Admission, QueueFull
 from specdec.loop.calibration import Calibration, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
-from specdec.loop.controller import CostCurve
+from specdec.loop.economics import Economics, StepShape
 from specdec.loop.policy import ProposerPolicy, StepPlan
 from specdec.loop.prefix_cache import PrefixCounts
 from specdec.loop.proposers import REGISTRY
-from specdec.loop.proposers.base import Proposal, Proposer, TimedStep
+from specdec.loop.proposers.base import Proposal, Proposer
 from specdec.loop.sequence import CacheCopy, SequenceState, Update, engine_batch
+from specdec.loop.timing import EngineCall, MeteredEngines
 from specdec.loop.verify import Verdict, verify
 from specdec.text.detokenizer import Decode
 from specdec.text.request import GenerationRequest
@@ -36,6 +44,27 @@ from specdec.text.request import GenerationRequest
 __all__ = ["QueueFull", "SchedulerConfig", "SpeculativeScheduler", "IterationStats"]
 
 NO_PROPOSAL = Proposal([])
+
+
+@dataclass
+class StepWork:
+    """What one step runs: its plan, and the prefill that rides on it."""
+
+    plan: StepPlan  # the batch's rows: proposers and k
+    chunks: list[tuple[SequenceState, int]]  # prompt chunks prefilled beside it (row, tokens)
+    target_copies: list[CacheCopy]
+    draft_copies: list[CacheCopy]
+    steady: bool  # no prompt joins or prefills: the step costs what a decode step costs
+
+
+@dataclass
+class Execution:
+    """What the engines answered."""
+
+    proposals: dict[int, Proposal]  # by sequence id
+    result: EngineResult  # the target's
+    target_batch: EngineBatch
+    calls: list[EngineCall]
 
 
 @dataclass
@@ -50,38 +79,37 @@ class IterationStats:
     emitted_per_row: list[int] = field(default_factory=list)
     # proposer -> [draft tokens, accepted]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
-    draft_seconds: float = 0.0  # the proposers' calls (0 when no row drafted)
+    draft_seconds: float = 0.0  # the draft model's calls (0 when no row drafted)
     target_seconds: float = 0.0  # the target's call
     num_draft_calls: int = 0
     draft_result_bytes: int = 0  # what the draft calls returned
     target_result_bytes: int = 0  # what the target call returned
 
 
-class MeteredEngines:
-    """The loop's engines, counting the calls and the bytes each returns (IterationStats)."""
+@dataclass(frozen=True)
+class LoopSnapshot:
+    """The loop's state as the serving glue reads it: before a step (which requests to ask
+    about cancellation) and after it (the metrics)."""
 
-    def __init__(self, engines: Engines) -> None:
-        self.engines = engines
-        self.num_draft_calls = 0
-        self.draft_result_bytes = 0
-        self.target_result_bytes = 0
+    running: tuple[SequenceState, ...]
+    # The waiting sequences that will take a slot at the next step, in order.
+    next_admitted: tuple[SequenceState, ...]
+    num_waiting: int
+    num_free_slots: int  # slots a waiting sequence may take now (cached prefixes give way)
+    prefix_counts: PrefixCounts  # totals since start-up
+    num_cached_prefixes: int
 
-    def draft(self, batch: EngineBatch) -> EngineResult:
-        result = self.engines.draft(batch)
-        self.num_draft_calls += 1
-        self.draft_result_bytes += result.nbytes
-        return result
 
-    def target(self, batch: EngineBatch) -> EngineResult:
-        result = self.engines.target(batch)
-        self.target_result_bytes += result.nbytes
-        return result
+@dataclass
+class StepResult:
+    """What a step did: its responses' material, its stats, its shape for the cost model
+    (None unless steady: specdec/loop/timing.py books it), and the loop's state after it."""
 
-    def take_counts(self) -> tuple[int, int, int]:
-        """(draft calls, draft bytes, target bytes) since the last take."""
-        counts = (self.num_draft_calls, self.draft_result_bytes, self.target_result_bytes)
-        self.num_draft_calls = self.draft_result_bytes = self.target_result_bytes = 0
-        return counts
+    snapshot: LoopSnapshot
+    updates: list[Update] = field(default_factory=list)
+    stats: IterationStats | None = None  # None: the step ran nothing
+    shape: StepShape | None = None
+    plan: StepPlan | None = None
 
 
 class SpeculativeScheduler:
@@ -97,49 +125,28 @@ class SpeculativeScheduler:
         self.admission = Admission(
             config.num_slots, config.max_queue, decode, clock, config.prefix_min_tokens
         )
-        self.target_cost = CostCurve()  # the target call's seconds by tokens verified
         self.proposers: dict[str, Proposer] = {
-            name: REGISTRY[name](config, self.engines, self.target_cost)
-            for name in config.proposers
+            name: REGISTRY[name](config, self.engines) for name in config.proposer_names
         }
-        self.policy = ProposerPolicy(config, self.proposers)
-        self.last_plan: StepPlan | None = None
-        self.last_iteration: IterationStats | None = None  # None: the last step ran nothing
-        self._timed_step: TimedStep | None = None
+        self.economics = Economics(config.max_draft_tokens, self.proposers.values())
+        self.policy = ProposerPolicy(config, self.proposers, self.economics)
 
     # -- joining and leaving ---------------------------------------------------------------
     @property
-    def clock(self) -> Callable[[], int]:
-        return self.admission.clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], int]) -> None:
-        self.admission.clock = clock
-
-    @property
-    def waiting(self):  # collections.deque[SequenceState]
-        return self.admission.waiting
-
-    @property
-    def running(self) -> list[SequenceState]:
-        return self.admission.running
-
-    @property
-    def num_free_slots(self) -> int:
-        """Slots a waiting sequence may take now (cached prefixes give theirs way)."""
-        return self.admission.slots.num_free
-
-    @property
-    def prefix_counts(self) -> PrefixCounts:
-        return self.admission.slots.counts
-
-    @property
-    def num_cached_prefixes(self) -> int:
-        return len(self.admission.slots.cached)
-
-    @property
     def has_work(self) -> bool:
         return bool(self.admission.running or self.admission.waiting)
+
+    def snapshot(self) -> LoopSnapshot:
+        admission = self.admission
+        free = admission.slots.num_free
+        return LoopSnapshot(
+            running=tuple(admission.running),
+            next_admitted=tuple(itertools.islice(admission.waiting, free)),
+            num_waiting=len(admission.waiting),
+            num_free_slots=free,
+            prefix_counts=dataclasses.replace(admission.slots.counts),
+            num_cached_prefixes=len(admission.slots.cached),
+        )
 
     def submit(self, request: GenerationRequest) -> SequenceState:
         """Queues a request; returns its first sequence (see submit_all for the others)."""
@@ -160,6 +167,7 @@ class SpeculativeScheduler:
 
     def _forget(self, sequences: list[SequenceState]) -> None:
         for sequence in sequences:
+            self.economics.release(sequence.id)
             for proposer in self.proposers.values():
                 proposer.release(sequence)
 
@@ -168,10 +176,9 @@ class SpeculativeScheduler:
         self, budget_s: float, clock: Callable[[], float] = time.perf_counter
     ) -> Calibration:
         """Measures the engines' costs on free slots before the first request
-        (specdec/loop/calibration.py) and gives them to the cost curves: the target's, which
-        every proposer prices verifies by, and each proposer's own (the draft's steps).
-        Only before anything runs: it uses slots from 0 up (requests may wait meanwhile;
-        only step() admits them)."""
+        (specdec/loop/calibration.py) and gives them to the cost model. Only before anything
+        runs: it uses slots from 0 up (requests may wait meanwhile; only step() admits
+        them)."""
         if self.admission.running:
             raise RuntimeError("calibrate before the first request runs")
         plan = CalibrationPlan.for_server(
@@ -179,92 +186,85 @@ class SpeculativeScheduler:
         )
         with_draft = any(p.calls_model for p in self.proposers.values())
         calibration = calibrate(self.engines, plan, with_draft, clock)
-        self.engines.take_counts()  # not the first iteration's
-        for (rows, tokens), seconds in calibration.target.items():
-            self.target_cost.calibrate(rows * tokens, seconds)
-        for proposer in self.proposers.values():
-            proposer.calibrated(calibration)
+        self.engines.take()  # not the first iteration's calls
+        self.economics.calibrated(calibration)
         return calibration
 
     # -- one iteration ---------------------------------------------------------------------
-    def step(self) -> list[Update]:
-        """Plans, proposes, verifies and commits once for the running batch."""
-        self.last_iteration = None
+    def step(self) -> StepResult:
+        """Plans, executes and commits once for the running batch."""
         cancelled = self.admission.drop_cancelled()
-        if cancelled:
-            self._forget(cancelled)
-            self._timed_step = None
+        self._forget(cancelled)
+        work = self.plan()
+        if work is None:
+            return StepResult(self.snapshot())
+        execution = self.execute(work)
+        updates, verdicts = self.commit(work, execution)
+        self.economics.observe_calls(execution.calls, work.steady)
+        self.economics.end_step(work.plan.calls)
+        batch = work.plan.batch
+        self._forget([s for s in batch if s.finished])
+        self.admission.drop_finished()
+        return StepResult(
+            snapshot=self.snapshot(),
+            updates=updates,
+            stats=self._stats(work, execution, updates, verdicts),
+            shape=self._shape(work, execution) if work.steady else None,
+            plan=work.plan,
+        )
+
+    def plan(self) -> StepWork | None:
+        """1. Admits waiting sequences, splits long prompts into chunks, and plans every
+        row's proposals and the calls' cache copies (None: nothing to run)."""
         admitted = self.admission.admit()
         ready = [s for s in self.admission.running if self.admission.ready(s)]
         batch, chunks = self._split_prefills(ready)
         if not batch and not chunks:
-            return []
-        # A step that prefills (a joining prompt, or chunks of one) is not what a decode step
-        # costs: neither the target's cost curve nor the proposers' step cost books it.
-        steady = not admitted and not chunks
-        step_start = time.perf_counter()
-        self._close_timed_step(step_start)
-        plan = self.last_plan = self.policy.plan(batch)
-        calls_a_model = self.policy.calls_a_model(plan)
-        chunk_rows = [s for s, _ in chunks]
-        target_copies, draft_copies = self.admission.plan_copies(batch + chunk_rows, calls_a_model)
-        draft_start = time.perf_counter()
-        proposals = self._propose(batch, plan, draft_copies)
-        draft_seconds = time.perf_counter() - draft_start
-        target_batch = self._target_batch(batch, plan, proposals, target_copies, chunks)
-        start = time.perf_counter()
-        result = self.engines.target(target_batch)
-        target_seconds = time.perf_counter() - start
-        for sequence, num_tokens in chunks:  # their prompts' positions, written; no output
-            sequence.target_cache_length += num_tokens
-        if steady:
-            self.target_cost.observe(len(target_batch.input_ids), target_seconds, len(batch))
-        num_draft_calls, draft_bytes, target_bytes = self.engines.take_counts()
-        stats = IterationStats(
-            batch_size=len(batch),
-            num_waiting=len(self.admission.waiting),
-            chosen_k=plan.chosen_k,
-            draft_seconds=draft_seconds if plan.calls else 0.0,
-            target_seconds=target_seconds,
-            num_draft_calls=num_draft_calls,
-            draft_result_bytes=draft_bytes,
-            target_result_bytes=target_bytes,
+            return None
+        plan = self.policy.plan(batch)
+        target_copies, draft_copies = self.admission.plan_copies(
+            batch + [s for s, _ in chunks], plan.calls_a_model
         )
-        updates = self._verify_and_commit(batch, plan, proposals, result, stats)
-        if steady:
-            self._timed_step = TimedStep(
-                start=step_start,
-                busy=time.perf_counter() - step_start,
-                batch_size=len(batch),
-                num_tokens=len(target_batch.input_ids),
-                num_widths=len(set(target_batch.input_lengths.tolist())),
-                model_drafted=calls_a_model,
-            )
-        for proposer in self.proposers.values():
-            proposer.end_step()
-        self._forget([s for s in batch if s.finished])
-        self.admission.drop_finished()
-        if not self.admission.running:  # the loop now waits for a request: no step's cost
-            self._timed_step = None
-        self.last_iteration = stats
-        return updates
+        # A step that prefills (a joining prompt, or chunks of one) is not what a decode step
+        # costs: the cost model books neither its target call nor its whole cost.
+        steady = not admitted and not chunks
+        return StepWork(plan, chunks, target_copies, draft_copies, steady)
 
-    def _close_timed_step(self, now: float) -> None:
-        """Books the last steady step's whole cost, unless the loop idled after it."""
-        timed, self._timed_step = self._timed_step, None
-        if timed is None or now - timed.start >= 3 * timed.busy:  # the loop waited for work
-            return
-        for proposer in self.proposers.values():
-            proposer.observe_iteration(timed, now - timed.start)
+    def execute(self, work: StepWork) -> Execution:
+        """2. The proposers' calls, then the target's."""
+        proposals = self._propose(work.plan, work.draft_copies)
+        target_batch = self._target_batch(work, proposals)
+        result = self.engines.target(target_batch)
+        for sequence, num_tokens in work.chunks:  # their prompts' positions, written
+            sequence.prefilled(num_tokens)
+        return Execution(proposals, result, target_batch, self.engines.take())
 
-    def _propose(
-        self, batch: list[SequenceState], plan: StepPlan, copies: list[CacheCopy]
-    ) -> dict[int, Proposal]:
+    def commit(self, work: StepWork, execution: Execution) -> tuple[list[Update], list[Verdict]]:
+        """3. Each row's verdict on its proposal (specdec/loop/verify.py), told to the cost
+        model, and its tokens committed."""
+        plan, result = work.plan, execution.result
+        updates, verdicts = [], []
+        for row, sequence in enumerate(plan.batch):
+            k = plan.ks[row]
+            proposal = execution.proposals.get(sequence.id, NO_PROPOSAL)
+            target_ids = result.token_ids[row, : k + 1].tolist()  # (k + 1,)
+            verdict = verify(proposal.token_ids, target_ids)
+            name = plan.row_proposers[row]
+            if name is not None:
+                self.economics.observe_verdict(name, sequence.id, k, verdict.num_accepted)
+            if any(proposal.hindsight):
+                self.economics.observe_hindsight(_caller(plan, row), *proposal.hindsight)
+            log_probs = result.log_probs[row] if result.log_probs.size else None
+            updates.append(self._commit(sequence, k, verdict, log_probs))
+            verdicts.append(verdict)
+        return updates, verdicts
+
+    def _propose(self, plan: StepPlan, copies: list[CacheCopy]) -> dict[int, Proposal]:
         """Sequence id -> its proposal, from each proposer for all its rows at once."""
         proposals = {}
         for name, rows in plan.calls.items():
             proposer = self.proposers[name]
-            sequences = [batch[r] for r in rows]
+            sequences = [plan.batch[r] for r in rows]
             ks = [plan.ks[r] for r in rows]
             own_copies = copies if proposer.calls_model else []
             for sequence, proposal in zip(
@@ -299,15 +299,10 @@ class SpeculativeScheduler:
                 budget -= num_tokens
         return batch, chunks
 
-    def _target_batch(
-        self,
-        batch: list[SequenceState],
-        plan: StepPlan,
-        proposals: dict[int, Proposal],
-        copies: list[CacheCopy],
-        chunks: list[tuple[SequenceState, int]],
-    ) -> EngineBatch:
+    @staticmethod
+    def _target_batch(work: StepWork, proposals: dict[int, Proposal]) -> EngineBatch:
         """The batch's rows, then the prefill chunks' (whose one output is not read)."""
+        batch, chunks = work.plan.batch, work.chunks
         rows = batch + [s for s, _ in chunks]
         target_batch = engine_batch(
             rows,
@@ -317,43 +312,13 @@ class SpeculativeScheduler:
             ]
             + [s.token_ids[s.target_cache_length : s.target_cache_length + n] for s, n in chunks],
             cache_lengths=[s.target_cache_length for s in rows],
-            num_steps=[k + 1 for k in plan.ks] + [1] * len(chunks),
-            copies=copies,
+            num_steps=[k + 1 for k in work.plan.ks] + [1] * len(chunks),
+            copies=work.target_copies,
         )
         wanted = [s.request.return_log_probs for s in rows]
         if any(wanted):
             target_batch.return_log_probs = np.array(wanted, dtype=np.bool_)
         return target_batch
-
-    def _verify_and_commit(
-        self,
-        batch: list[SequenceState],
-        plan: StepPlan,
-        proposals: dict[int, Proposal],
-        result: EngineResult,
-        stats: IterationStats,
-    ) -> list[Update]:
-        """Each row's verdict on its proposal (specdec/loop/verify.py), told to its proposer
-        and committed."""
-        updates = []
-        for row, sequence in enumerate(batch):
-            k = plan.ks[row]
-            proposal = proposals.get(sequence.id, NO_PROPOSAL)
-            target_ids = result.token_ids[row, : k + 1].tolist()  # (k + 1,)
-            verdict = verify(proposal.token_ids, target_ids)
-            log_probs = result.log_probs[row] if result.log_probs.size else None
-            name = plan.proposers[row]
-            if name is not None:
-                self.proposers[name].observe(sequence, k, verdict.num_accepted)
-                counts = stats.by_proposer.setdefault(name, [0, 0])
-                counts[0] += k
-                counts[1] += verdict.num_accepted
-            before = sequence.num_output_tokens
-            updates.append(self._commit(sequence, k, verdict, log_probs))
-            stats.num_draft_tokens += k
-            stats.num_accepted_draft_tokens += verdict.num_accepted
-            stats.emitted_per_row.append(sequence.num_output_tokens - before)
-        return updates
 
     def _commit(
         self,
@@ -390,11 +355,56 @@ class SpeculativeScheduler:
             now = self.admission.clock()
             sequence.times.first_token_ns = sequence.times.first_token_ns or now
             sequence.times.last_token_ns = now
-        # Valid cache prefixes: everything but the newest token (it was never fed).
-        sequence.target_cache_length = len(sequence.token_ids) - 1
-        sequence.draft_cache_length = min(sequence.draft_cache_length, len(sequence.token_ids) - 1)
+        sequence.committed()
         if sequence.finished:
             self.admission.release(sequence)
         finished = sequence.finished
         text = sequence.detokenizer.take(final=finished) if (request.stream or finished) else ""
-        return Update(sequence, text, finished)
+        return Update(sequence, text, finished, sequence.num_output_tokens - num_before)
+
+    # -- what the step did -------------------------------------------------------------------
+    def _stats(
+        self,
+        work: StepWork,
+        execution: Execution,
+        updates: list[Update],
+        verdicts: list[Verdict],
+    ) -> IterationStats:
+        plan = work.plan
+        drafts = [c for c in execution.calls if c.kind == "draft"]
+        stats = IterationStats(
+            batch_size=len(plan.batch),
+            num_waiting=len(self.admission.waiting),
+            chosen_k=plan.chosen_k,
+            draft_seconds=sum(c.seconds for c in drafts),
+            target_seconds=sum(c.seconds for c in execution.calls if c.kind == "target"),
+            num_draft_calls=len(drafts),
+            draft_result_bytes=sum(c.result_bytes for c in drafts),
+            target_result_bytes=execution.result.nbytes,
+        )
+        for row, (update, verdict) in enumerate(zip(updates, verdicts, strict=True)):
+            k, name = plan.ks[row], plan.row_proposers[row]
+            if name is not None:
+                counts = stats.by_proposer.setdefault(name, [0, 0])
+                counts[0] += k
+                counts[1] += verdict.num_accepted
+            stats.num_draft_tokens += k
+            stats.num_accepted_draft_tokens += verdict.num_accepted
+            stats.emitted_per_row.append(update.num_emitted)
+        return stats
+
+    @staticmethod
+    def _shape(work: StepWork, execution: Execution) -> StepShape:
+        plan, target_batch = work.plan, execution.target_batch
+        model_ks = [plan.ks[r] for rows in plan.calls.values() for r in rows if plan.row_model[r]]
+        return StepShape(
+            batch_size=len(plan.batch),
+            num_tokens=len(target_batch.input_ids),
+            num_widths=len(set(target_batch.input_lengths.tolist())),
+            model_steps=max(model_ks) if model_ks else None,
+        )
+
+
+def _caller(plan: StepPlan, row: int) -> str:
+    """The model proposer called for a row (hindsight comes only from a model's call)."""
+    return next(name for name, rows in plan.calls.items() if row in rows and plan.row_model[row])

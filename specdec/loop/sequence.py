@@ -76,6 +76,30 @@ class SequenceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    # -- its caches' valid lengths: written here only --------------------------------------
+    def start_from(self, target_length: int, draft_length: int | None) -> None:
+        """Its slot's caches hold its first positions already: adopted where another
+        sequence left them, or copied from another slot by this step's calls (draft_length
+        None: the draft's cache is not copied; its draft catches up)."""
+        self.target_cache_length = self.num_copied_positions = target_length
+        if draft_length is not None:
+            self.draft_cache_length = draft_length
+
+    def prefilled(self, num_tokens: int) -> None:
+        """A chunk of its prompt was written to the target's cache (it emitted nothing)."""
+        self.target_cache_length += num_tokens
+
+    def drafted(self, num_proposed: int) -> None:
+        """The draft model was fed its pending tokens and proposed `num_proposed`: it cached
+        all it was fed, the pending tokens and every proposal but the last."""
+        self.draft_cache_length = len(self.token_ids) + max(num_proposed - 1, 0)
+
+    def committed(self) -> None:
+        """After a verdict, the valid cache prefixes are every token but the newest (never
+        fed yet): rejected proposals roll back by a shorter length, nothing else."""
+        self.target_cache_length = len(self.token_ids) - 1
+        self.draft_cache_length = min(self.draft_cache_length, len(self.token_ids) - 1)
+
 
 @dataclass
 class Update:
@@ -84,6 +108,7 @@ class Update:
     sequence: SequenceState
     text: str  # new text ("" when the step added none that is complete)
     finished: bool
+    num_emitted: int = 0  # output tokens it added (0 when its end token came first)
 
 
 CacheCopy = tuple[int, int, int]  # (source slot, slot, positions): a prompt cache copied

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import json
 import os
 import threading
@@ -34,8 +33,9 @@ from specdec.loop.admission import QueueFull
 from specdec.loop.config import DEFAULT_PREFILL_CHUNK, SchedulerConfig
 from specdec.loop.prefix_cache import DEFAULT_PREFIX_MIN_TOKENS
 from specdec.loop.proposers import PROPOSERS
-from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.loop.scheduler import LoopSnapshot, SpeculativeScheduler
 from specdec.loop.sequence import SequenceState, Update
+from specdec.loop.timing import StepTimer
 from specdec.serving.cancel_ring import CancelRing, RunningTurns
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metrics import LoopMetrics
@@ -187,7 +187,7 @@ class TritonPythonModel:
             max_draft_tokens=int(params["max_num_draft_tokens"]),
             default_draft_tokens=parse_default_k(params["default_num_draft_tokens"]),
             max_queue=int(params.get("max_queue", 1024)),
-            proposers=parse_proposers(params.get("proposers", ",".join(PROPOSERS))),
+            proposer_names=parse_proposers(params.get("proposers", ",".join(PROPOSERS))),
             prefix_min_tokens=prefix_min_tokens,
             prefill_chunk=parse_prefill_chunk(
                 "prefill_chunk (PREFILL_CHUNK)",
@@ -196,6 +196,7 @@ class TritonPythonModel:
         )
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
+        self.timer = StepTimer(self.scheduler)  # books each step's whole cost
         self.calibration_seconds = parse_calibration_seconds(
             "calibration_seconds (CALIBRATION_SECONDS)", params.get("calibration_seconds", "0")
         )
@@ -271,7 +272,7 @@ class TritonPythonModel:
                     max_context=self.config.max_context,
                     max_draft_tokens=self.config.max_draft_tokens,
                     default_end_id=self.tokenizer.eos_token_id,
-                    proposers=self.config.proposers,
+                    proposers=self.config.proposer_names,
                     max_return_sequences=self.max_return_sequences,
                     default_stream_interval=self.stream_interval,
                 )
@@ -326,40 +327,33 @@ class TritonPythonModel:
                 if self.stopping:
                     return
                 started = clock()
-                self._mark_cancelled()
+                self._mark_cancelled(self.scheduler.snapshot())
             if self.work:  # cancelled streams hear so now, not after the step
                 self._hand_over()
             checked = clock()
             try:
-                updates = self.scheduler.step()
+                result = self.timer.step()
             except Exception as error:  # an engine failed: end every request, keep serving
                 with self.lock:
                     failed = self.scheduler.fail_all()
                     for sequence in failed:
                         self._end(sequence, f"speculative_decoding: {error}")
                     self.metrics.finished("error", len(failed))
-                    self.metrics.update_occupancy(0, 0, self.scheduler.num_free_slots)
+                    self._record_state(self.scheduler.snapshot())
                 self._hand_over()
                 continue
             stepped = clock()
             with self.lock:
                 # Metrics first: a client that scrapes right after its final response sees
                 # its request counted and its slot free.
-                reasons = collections.Counter(u.sequence.finish_reason for u in updates)
+                reasons = collections.Counter(u.sequence.finish_reason for u in result.updates)
                 for reason, count in reasons.items():
                     if reason is not None:
                         self.metrics.finished(reason, count)
-                if self.scheduler.last_iteration is not None:
-                    self.metrics.record_iteration(self.scheduler.last_iteration)
-                self.metrics.update_occupancy(
-                    len(self.scheduler.running),
-                    len(self.scheduler.waiting),
-                    self.scheduler.num_free_slots,
-                )
-                self.metrics.record_prefix_counts(
-                    self.scheduler.prefix_counts, self.scheduler.num_cached_prefixes
-                )
-                for update in updates:
+                if result.stats is not None:
+                    self.metrics.record_iteration(result.stats)
+                self._record_state(result.snapshot)
+                for update in result.updates:
                     self._respond(update)
             # This iteration's times go out with its responses: recorded after the hand-over,
             # a long prefill iteration's seconds reached the counters only with the next
@@ -370,14 +364,20 @@ class TritonPythonModel:
                 cancel_check=checked - started,
                 step=stepped - checked,
                 respond=built - stepped,
-                iteration=self.scheduler.last_iteration,
+                iteration=result.stats,
             )
             self._hand_over()
             self.metrics.record_hand_over_seconds(clock() - built)
             if not self.scheduler.has_work:  # before the loop sleeps: counters up to date
                 self._hand_over()
 
-    def _mark_cancelled(self) -> None:
+    def _record_state(self, snapshot: LoopSnapshot) -> None:
+        self.metrics.update_occupancy(
+            len(snapshot.running), snapshot.num_waiting, snapshot.num_free_slots
+        )
+        self.metrics.record_prefix_counts(snapshot.prefix_counts, snapshot.num_cached_prefixes)
+
+    def _mark_cancelled(self, snapshot: LoopSnapshot) -> None:
         """Drops cancelled streams, every sequence of the request. is_cancelled() crosses a
         process boundary (asking all 448 waiting requests at 512 users each iteration cost
         more than the step's own work; asking every running one, 12 ms per iteration at 256
@@ -393,11 +393,10 @@ class TritonPythonModel:
         every iteration); with Q waiting, each at least once every
         ceil(Q / WAITING_CANCEL_CHECKS) iterations (1,024 waiting: 64), and at every
         iteration once it is about to get a slot, so a cancelled request never starts."""
-        head = itertools.islice(self.scheduler.waiting, self.scheduler.num_free_slots)
-        candidates = [self.clients.get(s.id) for s in head]
+        candidates = [self.clients.get(s.id) for s in snapshot.next_admitted]
         self.running_turns.see(
             client
-            for client in (self.clients.get(s.id) for s in self.scheduler.running)
+            for client in (self.clients.get(s.id) for s in snapshot.running)
             if client is not None
         )
         candidates += self.running_turns.take(RUNNING_CANCEL_CHECKS)

@@ -1,12 +1,26 @@
 """The proposer interface: where a row's draft tokens come from.
 
-Each step, the policy (specdec/loop/policy.py) offers a proposer the rows it may serve, and
-the proposer says how many tokens each of them gets (`plan`; `plan_exact` for a row whose
-request fixed k). It then proposes for all its rows at once (`propose`), and sees each row's
-verdict (`observe`): of the k draft tokens, the first `num_accepted` were accepted; the
-emitted token after them is a recovered token (a rejection) or, when all k were accepted,
-the bonus token. A proposer keeps its own per-row state, keyed by the sequence's id, and
-drops it in `release`.
+A proposer says only how it proposes and what it observes; what its tokens cost and are
+worth, and how many each row gets, is the cost model's (specdec/loop/economics.py). It
+declares:
+- `calls_model`: whether proposing costs a model call for all its rows at once (the cost
+  model then gives its adaptive rows one k) or only the tokens it adds to the verify (the
+  cost model takes them row by row);
+- `verdicts_per_probe`: how many first-position verdicts one probe of it brings (a draft's
+  catch-up guesses many tokens in hindsight, a lookup's verify judges one first token),
+  which is what a fresh server's cold prior is weighed against;
+and implements:
+- `offer`: how many tokens it can propose for a row now, and the acceptance key they count
+  under (prompt lookup: the match length; one key for all a model's rows);
+- `probe`: how a model proposer refreshes its acceptance while its rows decode plainly;
+- `propose`: one proposal for each of its rows, all at once. A proposal may carry
+  first-position verdicts the proposer saw without a verify (a draft's hindsight guesses);
+- `release`: the sequence ended, drop its per-row state.
+
+Each step the policy (specdec/loop/policy.py) offers the proposers the rows they may serve,
+and the step (specdec/loop/scheduler.py) tells the cost model each row's verdict: of the k
+draft tokens, the first `num_accepted` were accepted; the emitted token after them is a
+recovered token (a rejection) or, when all k were accepted, the bonus token.
 
 A new proposer is one module in this package and one line in its registry (`__init__.py`).
 """
@@ -21,15 +35,15 @@ from specdec.loop.sequence import CacheCopy, SequenceState
 
 if TYPE_CHECKING:
     from specdec.engines.wire import Engines
-    from specdec.loop.calibration import Calibration
     from specdec.loop.config import SchedulerConfig
-    from specdec.loop.controller import CostCurve
 
 
 @dataclass
 class Proposal:
     token_ids: list[int]  # (k,) draft tokens (a model's sampled rows: drawn with the
     # target's noise, specdec/engines/coupling.py)
+    # First-position verdicts seen while proposing, without a verify: (right, judged).
+    hindsight: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -40,59 +54,38 @@ class Candidate:
     max_k: int  # its most draft tokens this step (request, server, max_tokens, context)
 
 
-@dataclass
-class TimedStep:
-    """A steady step (no prefill): its whole cost is measured from its start to the next
-    step's start, so that the glue's work between steps (responses, cancellation checks)
-    counts too."""
+@dataclass(frozen=True)
+class Offer:
+    """What a proposer can propose for a row this step."""
 
-    start: float
-    busy: float  # seconds inside step(); a much longer gap means the loop idled after it
-    batch_size: int
-    num_tokens: int  # tokens the target verified
-    num_widths: int  # distinct tokens-per-row in the verify (an attention call each)
-    model_drafted: bool  # a proposer called a model
+    num_tokens: int  # draft tokens available now, at most the candidate's max_k
+    key: int | None = None  # the acceptance window its verdict counts under
 
 
 class Proposer(ABC):
     name: ClassVar[str]  # what requests and the `proposers` parameter call it
-    calls_model: ClassVar[bool]  # proposing costs a model call (and owns the draft cache)
+    calls_model: ClassVar[bool]  # proposing costs a model call for all its rows
+    verdicts_per_probe: ClassVar[int]  # first-position verdicts one probe brings
 
-    def __init__(self, config: SchedulerConfig, engines: Engines, target_cost: CostCurve) -> None:
-        """`target_cost`: the target call's seconds by tokens verified, measured by the loop."""
-        self.chosen_k = 0  # one k chosen for all its adaptive rows this step, if it has one
-
-    @abstractmethod
-    def plan_exact(self, candidate: Candidate) -> int:
-        """Draft tokens for a row whose request fixed k at candidate.max_k (0: none)."""
+    def __init__(self, config: SchedulerConfig, engines: Engines) -> None:  # noqa: B027
+        """`engines`: the loop's engine calls (a model proposer calls the draft)."""
 
     @abstractmethod
-    def plan(
-        self, candidates: list[Candidate], batch_size: int, fixed_ks: list[int]
-    ) -> dict[int, int]:
-        """Candidate index -> k, for the rows it serves this step. A model proposer may also
-        take a row with k = 0: its draft catches up without proposing. `fixed_ks`: the k of
-        the batch's rows outside any proposer's choice."""
+    def offer(self, candidate: Candidate) -> Offer:
+        """How many tokens it can propose for the row now (0: none), and under which key."""
+
+    def probe(self, candidates: list[Candidate]) -> tuple[int, int] | None:
+        """A model proposer's probe while its rows decode plainly: (candidate index, k),
+        or None where it has none."""
+        return None
 
     @abstractmethod
     def propose(
         self, rows: list[SequenceState], ks: list[int], copies: list[CacheCopy]
     ) -> list[Proposal]:
-        """One proposal per row. `copies`: prompt caches a model proposer copies into its
-        cache before the call (specdec/loop/admission.py)."""
-
-    @abstractmethod
-    def observe(self, sequence: SequenceState, k: int, num_accepted: int) -> None:
-        """The verdict on the row's k draft tokens: the first num_accepted were accepted."""
-
-    def calibrated(self, calibration: Calibration) -> None:  # noqa: B027
-        """The engines' costs as measured at start-up (specdec/loop/calibration.py)."""
-
-    def observe_iteration(self, step: TimedStep, seconds: float) -> None:  # noqa: B027
-        """The whole cost of the last step it planned, called before its next plan."""
-
-    def end_step(self) -> None:  # noqa: B027
-        """Called once a step's verdicts are in."""
+        """One proposal per row, of ks[i] tokens (a model proposer may be called for a row
+        with k = 0: its draft catches up). `copies`: prompt caches a model proposer copies
+        into its cache before the call (specdec/loop/admission.py)."""
 
     def release(self, sequence: SequenceState) -> None:  # noqa: B027
         """The sequence ended: drop its per-row state."""
