@@ -182,6 +182,38 @@ def test_rows_with_their_own_k_are_booked_as_what_they_cost():
     assert costs.measured(StepShape(1, 1, 1, None)) is not None
 
 
+def test_the_plan_is_a_value_made_without_an_engine():
+    # Plan, execute, commit: planning reads the rows and the cost model and calls nothing;
+    # the plan then runs as it says.
+    scheduler, engines = make_scheduler(k=2)
+    sequences = [scheduler.submit(request([i + 1, 5, 6], 20)) for i in range(3)]
+    scheduler.step()  # the prompts' prefill
+    calls = list(engines.calls)
+    work = scheduler.plan()
+    assert work is not None and engines.calls == calls  # no engine ran
+    assert work.steady and work.plan.batch == sequences and work.plan.ks == [2, 2, 2]
+    assert work.plan.calls == {"draft_model": [0, 1, 2]}
+    execution = scheduler.execute(work)
+    assert engines.calls[len(calls) :] == [("draft", 3), ("target", 3)]
+    updates, verdicts = scheduler.commit(work, execution)
+    assert [u.sequence for u in updates] == sequences and len(verdicts) == 3
+    run_all(scheduler)
+    for i, sequence in enumerate(sequences):
+        assert sequence.token_ids[3:] == oracle_continuation([i + 1, 5, 6], 20)
+
+
+def test_a_step_that_prefills_is_not_booked_as_a_decode_step():
+    # A joining prompt's step costs its prefill: neither its target call nor its whole cost
+    # may price a decode step of that many tokens.
+    scheduler, _ = make_scheduler(k=0)
+    timer = StepTimer(scheduler)
+    scheduler.submit(request(list(range(1, 21)), 6))  # a prompt of 20 tokens
+    run_all(scheduler, timer=timer)
+    costs = scheduler.economics.costs
+    assert 20 not in costs.target.sizes and costs.target.sizes == [1]
+    assert list(costs.iterations[(1, None)].sizes) == [1]
+
+
 def test_waiting_for_the_next_request_is_no_iterations_cost(monkeypatch):
     # At one stream the loop idles between a request's end and the client's next one. Booked
     # as the last iteration's cost, that wait made k = 0 look dearer than it was.

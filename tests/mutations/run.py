@@ -29,8 +29,9 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # The tests that guard the loop, fastest first (-x stops at the first failure).
-UNIT = ["tests/test_verify.py", "tests/test_scheduler.py"]
-REAL = ["tests/test_loop_engines.py"]
+UNIT = ("tests/test_verify.py", "tests/test_scheduler.py")
+REAL = ("tests/test_loop_engines.py",)
+ECONOMICS = ("tests/test_economics.py", "tests/test_calibration.py")
 
 
 @dataclass(frozen=True)
@@ -77,25 +78,25 @@ MUTANTS = [
     Mutant(
         "target-cache-length",
         "the target cache is taken to hold the newest token, which was never fed",
-        "specdec/loop/scheduler.py",
-        "sequence.target_cache_length = len(sequence.token_ids) - 1",
-        "sequence.target_cache_length = len(sequence.token_ids)",
+        "specdec/loop/sequence.py",
+        "self.target_cache_length = len(self.token_ids) - 1",
+        "self.target_cache_length = len(self.token_ids)",
     ),
     Mutant(
         "target-cache-rollback",
         "rejected draft tokens stay in the target cache (no rollback)",
         "specdec/loop/scheduler.py",
-        "sequence.target_cache_length = len(sequence.token_ids) - 1",
+        "        sequence.committed()\n",
         # every position fed stays valid: the tokens before the step, and all k proposals
-        "sequence.target_cache_length = "
-        "len(sequence.token_ids) - (sequence.num_output_tokens - num_before) + k",
+        "        sequence.committed()\n"
+        "        sequence.target_cache_length += k - verdict.num_accepted\n",
     ),
     Mutant(
         "draft-cache-length",
         "the draft cache is taken to hold its last proposal, which was never fed",
-        "specdec/loop/proposers/draft_model.py",
-        "sequence.draft_cache_length = len(sequence.token_ids) + max(k - 1, 0)",
-        "sequence.draft_cache_length = len(sequence.token_ids) + k",
+        "specdec/loop/sequence.py",
+        "self.draft_cache_length = len(self.token_ids) + max(num_proposed - 1, 0)",
+        "self.draft_cache_length = len(self.token_ids) + num_proposed",
     ),
     Mutant(
         "end-token-missed",
@@ -103,6 +104,62 @@ MUTANTS = [
         "specdec/loop/scheduler.py",
         "if token == request.end_id:",
         "if token == request.end_id and position == len(verdict.token_ids) - 1:",
+    ),
+    Mutant(
+        "hindsight-dropped",
+        "a probe's hindsight verdicts never reach the draft's acceptance",
+        "specdec/loop/scheduler.py",
+        "self.economics.observe_hindsight(_caller(plan, row), *proposal.hindsight)",
+        "pass",
+        tests=UNIT,
+    ),
+    Mutant(
+        "prefill-booked-as-steady",
+        "a step that admits a prompt is booked as what a decode step costs",
+        "specdec/loop/scheduler.py",
+        "steady = not admitted and not chunks",
+        "steady = not chunks",
+        tests=UNIT,
+    ),
+    Mutant(
+        "shape-without-draft-steps",
+        "a drafting step is booked as an iteration without a model call",
+        "specdec/loop/scheduler.py",
+        "model_steps=max(model_ks) if model_ks else None,",
+        "model_steps=None,",
+        tests=UNIT,
+    ),
+    Mutant(
+        "idle-gap-booked",
+        "the loop's wait for the next request is booked as the last step's cost",
+        "specdec/loop/timing.py",
+        "if last is not None and start - last.start < IDLE_GAP * last.busy:",
+        "if last is not None:",
+        tests=UNIT,
+    ),
+    Mutant(
+        "lookup-verdict-key",
+        "a lookup's verdict counts under every match length's window alike",
+        "specdec/loop/economics.py",
+        "self.window(ledger.key).observe(k, num_accepted)",
+        "self.window(None).observe(k, num_accepted)",
+        tests=ECONOMICS,
+    ),
+    Mutant(
+        "cold-prior-weight",
+        "the draft's cold prior weighs one verdict instead of half a probe's",
+        "specdec/loop/economics.py",
+        "AcceptanceWindow(max_k, cold_weight=COLD_PROBES * verdicts_per_probe)",
+        "AcceptanceWindow(max_k, cold_weight=COLD_PROBES)",
+        tests=ECONOMICS,
+    ),
+    Mutant(
+        "probe-budget-ignored",
+        "probes come every PROBE_EVERY iterations however dear they are",
+        "specdec/loop/economics.py",
+        "return max(PROBE_EVERY, math.ceil(extra / (PROBE_BUDGET * plain)))",
+        "return PROBE_EVERY",
+        tests=ECONOMICS,
     ),
 ]
 
