@@ -1,22 +1,50 @@
-"""The metric families' table (specdec/serving/metric_names.py): its shape,
-docs/operations.md's metrics table (its output, exactly), and every name the docs, deploy/
-and the code's readers use is declared there. Pure: no server."""
+"""The metric families' table (specdec/serving/metric_names.py): the outcome rule of a request,
+the table's shape, docs/operations.md's metrics table (its output, exactly), and every name
+the docs, deploy/ and the code's readers use is declared there. Pure: no server."""
 
 from __future__ import annotations
 
 import re
 
+import pytest
 import yaml
 
 from specdec.paths import PROJECT_ROOT as ROOT
 from specdec.serving.metric_names import (
     FAMILIES,
     FAMILY_BY_NAME,
+    REQUEST_OUTCOMES,
+    SEQUENCE_OUTCOMES,
     markdown_table,
+    request_outcome,
 )
 
 OPERATIONS = ROOT / "docs" / "operations.md"
 REGENERATE = "regenerate: .venv/bin/python -m specdec.serving.metric_names"
+
+
+@pytest.mark.parametrize(
+    ("reasons", "outcome"),
+    [
+        (["end"], "end"),
+        (["length"], "length"),
+        (["stop"], "stop"),
+        (["end", "end", "end"], "end"),
+        (["end", "length"], "length"),  # one answer cut short: "length",
+        (["length", "end"], "length"),  # whichever finished last
+        (["end", "stop"], "stop"),
+        (["stop", "length", "end"], "length"),
+    ],
+)
+def test_a_finished_request_counts_under_its_most_truncating_reason(reasons, outcome):
+    assert request_outcome(reasons) == outcome
+    assert request_outcome(iter(reasons)) == outcome  # a generator, as the BLS passes
+
+
+@pytest.mark.parametrize("reasons", [[], [None], ["cancelled"], ["end", "error"], ["invalid"]])
+def test_only_a_request_whose_sequences_all_finished_has_a_normal_outcome(reasons):
+    with pytest.raises(ValueError):
+        request_outcome(reasons)
 
 
 def test_the_table_declares_each_family_once_in_prometheus_form():
@@ -29,6 +57,9 @@ def test_the_table_declares_each_family_once_in_prometheus_form():
         assert family.name.endswith("_total") == (family.kind == "counter"), family.name
         assert family.help and "|" not in family.help and "\n" not in family.help, family.name
         assert "model" not in family.labels  # every metric carries it already
+    # A sequence's outcome is also its request's when the request ends with it.
+    assert set(SEQUENCE_OUTCOMES) < set(REQUEST_OUTCOMES)
+    assert {"invalid", "rejected"} == set(REQUEST_OUTCOMES) - set(SEQUENCE_OUTCOMES)
 
 
 def documented_rows(section: str) -> list[str]:
@@ -87,7 +118,7 @@ def named_metrics() -> dict[str, set[str]]:
 
 def test_docs_deploy_and_readers_name_only_declared_metrics():
     found = named_metrics()
-    assert "specdec_requests_total" in found and "specdec_free_kv_slots" in found
+    assert "specdec_requests_total" in found and "specdec_sequences_total" in found
     unknown = {
         name: sorted(where)
         for name, where in found.items()

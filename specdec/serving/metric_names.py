@@ -18,9 +18,20 @@ from dataclasses import dataclass
 LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
 # Seconds the outbox spent sending responses and applying metric updates.
 OUTBOX_SECONDS = "specdec_outbox_seconds_total"
-# How requests end (specdec_requests_total{outcome=...}).
+# Client requests, each counted once when its final response is decided, and the sequences
+# they ran (one per prompt and per num_return_sequences): specdec_requests_total{outcome=...},
+# specdec_sequences_total{outcome=...}.
 REQUESTS = "specdec_requests_total"
-OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
+SEQUENCES = "specdec_sequences_total"
+# A sequence ends by its end token, max_tokens (or the context), a stop word, or with its
+# request: cancelled, an engine error, shutdown.
+SEQUENCE_OUTCOMES = ("end", "length", "stop", "cancelled", "error", "shutdown")
+# A request also ends refused before any sequence ran: bad input, queue full, or an error.
+REQUEST_OUTCOMES = (*SEQUENCE_OUTCOMES, "invalid", "rejected")
+# A request whose sequences all finished counts under the first of these that one of them
+# ended with: an answer cut short outweighs one stopped by a stop word, which outweighs the
+# model's own end (request_outcome).
+NORMAL_ENDS = ("length", "stop", "end")
 # The engine calls the loop makes, and the bytes their results bring back through Triton
 # (specdec_engine_calls_total{call=...}, specdec_engine_result_bytes_total{call=...}).
 ENGINE_CALLS = "specdec_engine_calls_total"
@@ -61,7 +72,19 @@ FAMILIES = (
     Family(
         REQUESTS,
         "counter",
-        f"Finished requests by outcome: {_listed(OUTCOMES)} (rejected: queue full)",
+        "Client requests by outcome, each counted once, when its final response is decided: "
+        f"{_listed(NORMAL_ENDS)} once every sequence finished (the first of these among the "
+        "sequences' reasons); cancelled, error (an engine error, or an internal error before "
+        "the loop), shutdown; invalid (bad input) and rejected (queue full), refused before "
+        "any sequence ran",
+        ("outcome",),
+    ),
+    Family(
+        SEQUENCES,
+        "counter",
+        "Sequences (one per prompt of a request and per num_return_sequences) by how they "
+        "ended: end (end token), length (max_tokens or the context), stop (a stop word), or "
+        "with their request: cancelled, error, shutdown",
         ("outcome",),
     ),
     Family(
@@ -150,6 +173,16 @@ FAMILIES = (
     Family("specdec_cached_prefixes", "gauge", "Free KV slots that hold a reusable prefix"),
 )
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def request_outcome(sequence_reasons: Iterable[str | None]) -> str:
+    """The outcome of a request whose sequences all finished, from their finish reasons:
+    the first of NORMAL_ENDS among them ("length" and "end" give "length")."""
+    reasons = set(sequence_reasons)
+    unexpected = reasons - set(NORMAL_ENDS)
+    if unexpected or not reasons:
+        raise ValueError(f"not a request whose sequences all finished: {sorted(map(str, reasons))}")
+    return next(outcome for outcome in NORMAL_ENDS if outcome in reasons)
 
 
 def markdown_table() -> str:

@@ -27,9 +27,11 @@ from specdec.serving.metric_names import (
     FAMILY_BY_NAME,
     LOOP_PARTS,
     OUTBOX_SECONDS,
-    OUTCOMES,
     PASSES_BY_TOKENS,
+    REQUEST_OUTCOMES,
     REQUESTS,
+    SEQUENCE_OUTCOMES,
+    SEQUENCES,
 )
 from specdec.serving.outbox import PendingMetrics
 
@@ -64,7 +66,8 @@ class LoopMetrics:
             )
             for name in PROPOSERS
         }
-        self.requests = {o: metric(REQUESTS, outcome=o) for o in OUTCOMES}
+        self.requests = {o: metric(REQUESTS, outcome=o) for o in REQUEST_OUTCOMES}
+        self.sequences = {o: metric(SEQUENCES, outcome=o) for o in SEQUENCE_OUTCOMES}
         self.batch_size = metric("specdec_running_batch_size")
         self.queued = metric("specdec_queued_requests")
         self.current_k = metric("specdec_current_num_draft_tokens")
@@ -156,9 +159,13 @@ class LoopMetrics:
         self.pending.set(self.queued, num_waiting)
         self.pending.set(self.free_slots, free_slots)
 
-    def finished(self, outcome: str, count: int = 1) -> None:
-        """`count` requests (or sequences) ended with `outcome`."""
-        self.pending.increment(self.requests[outcome], count)
+    def request_ended(self, outcome: str) -> None:
+        """A client request's final response is decided (REQUEST_OUTCOMES): once each."""
+        self.pending.increment(self.requests[outcome], 1)
+
+    def sequences_ended(self, outcome: str, count: int = 1) -> None:
+        """`count` sequences ended with `outcome` (SEQUENCE_OUTCOMES)."""
+        self.pending.increment(self.sequences[outcome], count)
 
     def flush(self) -> None:
         """Applies the gathered updates (Triton round trips): on the outbox's thread."""
