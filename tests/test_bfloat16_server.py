@@ -257,10 +257,10 @@ def test_bfloat16_speculation_diverges_only_at_near_ties(bfloat16_server, steps,
         f"batch: {passes:.0f} target passes in {iterations:.0f} iterations; "
         f"ended by the end token: {[sum(a.ended for a in r) for r in (plain, alone, batch)]}"
     )
-    # How the batch's answers ended, as the server counted them.
+    # How the batch's answers (one sequence each) ended, as the server counted them.
     ended = sum(a.ended for a in batch)
-    assert delta(before, after, 'specdec_requests_total{outcome="end"}') == ended
-    assert delta(before, after, 'specdec_requests_total{outcome="length"}') == n - ended
+    assert delta(before, after, 'specdec_sequences_total{outcome="end"}') == ended
+    assert delta(before, after, 'specdec_sequences_total{outcome="length"}') == n - ended
 
     # Every position, and every end: the plain path is the one computed here, exactly.
     assert check(steps, tokenizer, {"plain (k = 0)": plain}) == []

@@ -3,22 +3,41 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 
 from conftest import hf_greedy_text
 from live import scrape, start_bystander, start_victim, wait_for
-from specdec.client import generate
+from specdec.client import StreamingClient, generate
 from specdec.serving.metric_names import (
     ENGINE_CALLS,
     ENGINE_RESULT_BYTES,
     LOOP_PARTS,
     PASSES_BY_TOKENS,
+    REQUEST_OUTCOMES,
+    REQUESTS,
+    SEQUENCE_OUTCOMES,
+    SEQUENCES,
+    request_outcome,
 )
 
 pytestmark = pytest.mark.server
 
 NUM_SLOTS = 32  # the `server` fixture's
+# A chat turn (SmolLM2's template) whose sampled answers end after a word or run on: with
+# random_seed 7 its three answers took 1, 8 and over 24 tokens.
+SHORT_ANSWER = (
+    "<|im_start|>user\nIs the sky blue? Answer yes or no.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def ended(before: dict, after: dict, family: str) -> dict[str, float]:
+    """The family's increase by outcome, outcomes that did not move left out."""
+    outcomes = REQUEST_OUTCOMES if family == REQUESTS else SEQUENCE_OUTCOMES
+    counts = {o: after.get(f'{family}{{outcome="{o}"}}', 0) for o in outcomes}
+    counts = {o: n - before.get(f'{family}{{outcome="{o}"}}', 0) for o, n in counts.items()}
+    return {o: n for o, n in counts.items() if n}
 
 
 def test_metrics_count_what_the_loop_did(server):
@@ -50,7 +69,7 @@ def test_metrics_count_what_the_loop_did(server):
         == (result.metrics["total_accepted_draft_tokens"])
     )
     assert delta("specdec_emitted_tokens_total") == result.metrics["num_output_tokens"]
-    assert delta('specdec_requests_total{outcome="length"}') == 1
+    assert ended(before, after, REQUESTS) == ended(before, after, SEQUENCES) == {"length": 1}
     # Target passes counted by the tokens each emitted: they add up to the passes and to
     # the tokens emitted.
     by_tokens = {n: delta(f'{PASSES_BY_TOKENS}{{tokens="{n}"}}') for n in range(8 + 2)}  # k <= 8
@@ -75,12 +94,40 @@ def test_metrics_count_what_the_loop_did(server):
         assert name in after
 
 
-def test_invalid_requests_are_counted(server):
+def test_requests_and_their_sequences_are_counted_apart(server):
+    """num_return_sequences=3: one request, three sequences, each counted once; the request
+    under its sequences' most truncating reason. A refused request: one, and no sequence."""
+    max_tokens = 24
     before = scrape(server.metrics_url)
-    generate("hi", url=server.url, max_tokens=-1)
+    with StreamingClient(server.url) as client:
+        results = client.generate_all(
+            SHORT_ANSWER,
+            max_tokens=max_tokens,
+            num_return_sequences=3,
+            temperature=1.0,
+            random_seed=7,
+            return_num_output_tokens=True,
+        )
     after = scrape(server.metrics_url)
-    key = 'specdec_requests_total{outcome="invalid"}'
-    assert after[key] - before.get(key, 0) == 1
+    assert sorted(results) == [(0, 0), (0, 1), (0, 2)]
+    assert all(r.error is None for r in results.values())
+    # No stop words, a short prompt: a sequence ends by its end token or at max_tokens.
+    reasons = [
+        "length" if r.metrics["num_output_tokens"] == max_tokens else "end"
+        for r in results.values()
+    ]
+    # Seeded sampling is deterministic: this draw mixes reasons, so the rule is exercised.
+    assert set(reasons) == {"end", "length"}, f"{reasons}: pick a seed whose answers mix"
+    assert ended(before, after, SEQUENCES) == Counter(reasons)
+    # One answer cut at max_tokens: the request counts as cut (request_outcome's rule).
+    assert ended(before, after, REQUESTS) == {request_outcome(reasons): 1} == {"length": 1}
+
+    before = scrape(server.metrics_url)
+    refused = generate("hi", url=server.url, max_tokens=-1, num_return_sequences=3)
+    after = scrape(server.metrics_url)
+    assert refused.error is not None and "max_tokens" in str(refused.error)
+    assert ended(before, after, REQUESTS) == {"invalid": 1}
+    assert ended(before, after, SEQUENCES) == {}
 
 
 def test_cancelled_stream_frees_its_slot_within_an_iteration(server):
@@ -88,16 +135,18 @@ def test_cancelled_stream_frees_its_slot_within_an_iteration(server):
     wait_for(lambda: len(chunks) >= 5)  # mid-generation
     busy = scrape(server.metrics_url)
     assert busy["specdec_free_kv_slots"] == NUM_SLOTS - 1
-    cancelled_before = busy.get('specdec_requests_total{outcome="cancelled"}', 0)
+    cancelled_before = busy.get(f'{REQUESTS}{{outcome="cancelled"}}', 0)
     client.stop_stream(cancel_requests=True)
     wait_for(
         lambda: (
-            scrape(server.metrics_url)['specdec_requests_total{outcome="cancelled"}']
+            scrape(server.metrics_url).get(f'{REQUESTS}{{outcome="cancelled"}}', 0)
             > cancelled_before
         )
     )
     wait_for(lambda: scrape(server.metrics_url)["specdec_free_kv_slots"] == NUM_SLOTS)
     freed = scrape(server.metrics_url)
+    # One request of one sequence, cancelled: counted once as each.
+    assert ended(busy, freed, REQUESTS) == ended(busy, freed, SEQUENCES) == {"cancelled": 1}
     # The loop saw the cancellation at its next iteration boundary and stopped: the scrape
     # before cancelling can trail the loop by an iteration or two, no more.
     assert freed["specdec_iterations_total"] - busy["specdec_iterations_total"] <= 3

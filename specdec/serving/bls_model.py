@@ -15,7 +15,6 @@ shutdown.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import os
@@ -38,6 +37,7 @@ from specdec.loop.sequence import SequenceState, Update
 from specdec.loop.timing import StepTimer
 from specdec.serving.cancel_ring import CancelRing, RunningTurns
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
+from specdec.serving.metric_names import request_outcome
 from specdec.serving.metrics import LoopMetrics
 from specdec.serving.outbox import Outbox, Work
 from specdec.serving.responses import StreamHold, response_arrays
@@ -295,8 +295,9 @@ class TritonPythonModel:
         return None
 
     def _refuse(self, sender, outcome: str, message: str, code=None) -> None:
-        """Ends a request that never reached the loop; through the outbox, counted first."""
-        self.metrics.finished(outcome)
+        """Ends a request that never reached the loop (no sequence ran); through the outbox,
+        counted first."""
+        self.metrics.request_ended(outcome)
         self.outbox.submit([self.metrics.flush, self._error_sender(sender, message, code)])
 
     @staticmethod
@@ -337,19 +338,15 @@ class TritonPythonModel:
                 with self.lock:
                     failed = self.scheduler.fail_all()
                     for sequence in failed:
-                        self._end(sequence, f"speculative_decoding: {error}")
-                    self.metrics.finished("error", len(failed))
+                        self._end(sequence, "error", f"speculative_decoding: {error}")
                     self._record_state(self.scheduler.snapshot())
                 self._hand_over()
                 continue
             stepped = clock()
             with self.lock:
-                # Metrics first: a client that scrapes right after its final response sees
-                # its request counted and its slot free.
-                reasons = collections.Counter(u.sequence.finish_reason for u in result.updates)
-                for reason, count in reasons.items():
-                    if reason is not None:
-                        self.metrics.finished(reason, count)
+                # Metrics go out before the responses (the outbox flushes them first): a
+                # client that scrapes right after its final response sees its request and
+                # sequences counted (_respond) and its slot free.
                 if result.stats is not None:
                     self.metrics.record_iteration(result.stats)
                 self._record_state(result.snapshot)
@@ -410,20 +407,24 @@ class TritonPythonModel:
                 members = [m for m in client.sequences if m.id in self.clients]
                 for member in members:
                     self.scheduler.cancel(member)
-                self.metrics.finished("cancelled", len(members))
-                self._end_client(client, "request cancelled", pb_utils.TritonError.CANCELLED)
+                self._end_client(
+                    client, "cancelled", "request cancelled", pb_utils.TritonError.CANCELLED
+                )
 
-    def _end(self, sequence: SequenceState, message: str, code=None) -> None:
+    def _end(self, sequence: SequenceState, outcome: str, message: str, code=None) -> None:
         """Ends the sequence's request with an error (once), and with it its other sequences."""
         client = self.clients.get(sequence.id)
         if client is not None:
-            self._end_client(client, message, code)
+            self._end_client(client, outcome, message, code)
 
-    def _end_client(self, client: Client, message: str, code=None) -> None:
-        """Ends a request with an error (once), every sequence of it."""
+    def _end_client(self, client: Client, outcome: str, message: str, code=None) -> None:
+        """Ends a request with an error (once), every sequence of it; counts the request and
+        its sequences still open under `outcome` (those that finished were counted then)."""
         if client.ended:
             return
         client.ended = True
+        self.metrics.request_ended(outcome)
+        self.metrics.sequences_ended(outcome, client.num_open)
         for member in client.sequences:
             self.clients.pop(member.id, None)
         self.work.append(self._error_sender(client.sender, message, code))
@@ -457,9 +458,13 @@ class TritonPythonModel:
         if update.finished:
             del self.clients[sequence.id]
             client.num_open -= 1
+            assert sequence.finish_reason is not None  # update.finished
+            self.metrics.sequences_ended(sequence.finish_reason)
             if client.num_open == 0:
                 client.ended = True
                 flags = FINAL
+                reasons = (member.finish_reason for member in client.sequences)
+                self.metrics.request_ended(request_outcome(reasons))
         tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
         response = pb_utils.InferenceResponse(output_tensors=tensors)
         self.work.append(functools.partial(client.sender.send, response, flags=flags))
@@ -472,7 +477,11 @@ class TritonPythonModel:
         with self.lock:
             ended = self.scheduler.fail_all("shutdown")
             for sequence in ended:
-                self._end(sequence, "server is shutting down", pb_utils.TritonError.UNAVAILABLE)
-            self.metrics.finished("shutdown", len(ended))
+                self._end(
+                    sequence,
+                    "shutdown",
+                    "server is shutting down",
+                    pb_utils.TritonError.UNAVAILABLE,
+                )
         self._hand_over()
         self.outbox.close(timeout=60)

@@ -1,8 +1,15 @@
-"""The names of speculative_decoding's own Prometheus metrics that readers split by label.
+"""The Prometheus metric families of speculative_decoding, declared in one table.
 
-Pure, so that the BLS's metrics (serving/metrics.py), the bench and the tests read one
-definition.
+Pure, so that the BLS's metrics (serving/metrics.py, which creates them from FAMILIES), the
+bench, the tests and docs/operations.md (its metrics table is `python -m
+specdec.serving.metric_names`; tests/test_metric_names.py compares) read one definition.
+Every family also carries the label model="speculative_decoding".
 """
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 # Where the loop's time goes, per iteration: asking Triton which streams were cancelled,
 # the draft model's call, the target's call, the rest of the scheduler's step (admission,
@@ -11,8 +18,20 @@ definition.
 LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
 # Seconds the outbox spent sending responses and applying metric updates.
 OUTBOX_SECONDS = "specdec_outbox_seconds_total"
-# How requests end (specdec_requests_total{outcome=...}).
-OUTCOMES = ("end", "length", "stop", "cancelled", "error", "invalid", "rejected", "shutdown")
+# Client requests, each counted once when its final response is decided, and the sequences
+# they ran (one per prompt and per num_return_sequences): specdec_requests_total{outcome=...},
+# specdec_sequences_total{outcome=...}.
+REQUESTS = "specdec_requests_total"
+SEQUENCES = "specdec_sequences_total"
+# A sequence ends by its end token, max_tokens (or the context), a stop word, or with its
+# request: cancelled, an engine error, shutdown.
+SEQUENCE_OUTCOMES = ("end", "length", "stop", "cancelled", "error", "shutdown")
+# A request also ends refused before any sequence ran: bad input, queue full, or an error.
+REQUEST_OUTCOMES = (*SEQUENCE_OUTCOMES, "invalid", "rejected")
+# A request whose sequences all finished counts under the first of these that one of them
+# ended with: an answer cut short outweighs one stopped by a stop word, which outweighs the
+# model's own end (request_outcome).
+NORMAL_ENDS = ("length", "stop", "end")
 # The engine calls the loop makes, and the bytes their results bring back through Triton
 # (specdec_engine_calls_total{call=...}, specdec_engine_result_bytes_total{call=...}).
 ENGINE_CALLS = "specdec_engine_calls_total"
@@ -24,3 +43,157 @@ PASSES_BY_TOKENS = "specdec_target_passes_by_tokens_total"
 # 1 once the start-up cost measurement is over (done, turned off or given up), 0 before:
 # until then requests wait (specdec/loop/calibration.py).
 CALIBRATED = "specdec_calibrated"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family: its HELP text is also its meaning in docs/operations.md."""
+
+    name: str
+    kind: str  # "counter" or "gauge"
+    help: str
+    labels: tuple[str, ...] = ()  # label names besides model
+
+
+def _listed(values: Iterable[str]) -> str:
+    return ", ".join(values)
+
+
+FAMILIES = (
+    Family("specdec_draft_tokens_total", "counter", "Draft tokens proposed"),
+    Family("specdec_accepted_draft_tokens_total", "counter", "Draft tokens the target accepted"),
+    Family(
+        "specdec_target_passes_total",
+        "counter",
+        "Sequences verified by the target (one per sequence per iteration)",
+    ),
+    Family("specdec_iterations_total", "counter", "Loop iterations (one target call each)"),
+    Family("specdec_emitted_tokens_total", "counter", "Output tokens emitted"),
+    Family(
+        REQUESTS,
+        "counter",
+        "Client requests by outcome, each counted once, when its final response is decided: "
+        f"{_listed(NORMAL_ENDS)} once every sequence finished (the first of these among the "
+        "sequences' reasons); cancelled, error (an engine error, or an internal error before "
+        "the loop), shutdown; invalid (bad input) and rejected (queue full), refused before "
+        "any sequence ran",
+        ("outcome",),
+    ),
+    Family(
+        SEQUENCES,
+        "counter",
+        "Sequences (one per prompt of a request and per num_return_sequences) by how they "
+        "ended: end (end token), length (max_tokens or the context), stop (a stop word), or "
+        "with their request: cancelled, error, shutdown",
+        ("outcome",),
+    ),
+    Family(
+        "specdec_running_batch_size",
+        "gauge",
+        "Sequences in the running batch (each holds a KV slot)",
+    ),
+    Family(
+        "specdec_queued_requests",
+        "gauge",
+        "Sequences waiting for a KV slot (every sequence of the queued requests)",
+    ),
+    Family("specdec_current_num_draft_tokens", "gauge", "k the controller chose for adaptive rows"),
+    Family("specdec_free_kv_slots", "gauge", "KV-cache slots free in each engine"),
+    Family(
+        CALIBRATED,
+        "gauge",
+        "1 once the start-up measurement of the engines' costs is over (done, off or given "
+        "up), 0 before; requests wait until then",
+    ),
+    Family(
+        "specdec_loop_seconds_total",
+        "counter",
+        "Seconds the loop spent, by part: cancel_check (asking Triton which streams were "
+        "cancelled), draft and target (the engine calls), schedule (the rest of the step: "
+        "admission, proposers, controller, acceptance), respond (building the responses and "
+        "handing them, with the metric updates, to the outbox; inline, the default, that "
+        "includes sending them)",
+        ("part",),
+    ),
+    Family(
+        OUTBOX_SECONDS,
+        "counter",
+        "Seconds the outbox spent sending responses and applying metric updates (each a "
+        "round trip to the server process); with the response thread on (RESPONSE_THREAD) "
+        "beside the loop, so it overlaps the loop's parts",
+    ),
+    Family(
+        PASSES_BY_TOKENS,
+        "counter",
+        "Target passes by the tokens the sequence emitted in them (accepted + 1; 0 when its "
+        'end token came first), tokens="0" to max k + 1; they sum to '
+        "specdec_target_passes_total",
+        ("tokens",),
+    ),
+    Family(
+        ENGINE_CALLS,
+        "counter",
+        "Engine model calls by the loop: draft (0 or more per iteration), target (one per "
+        "iteration that ran)",
+        ("call",),
+    ),
+    Family(
+        ENGINE_RESULT_BYTES,
+        "counter",
+        "Bytes the engine calls' results brought back through Triton, draft and target",
+        ("call",),
+    ),
+    Family(
+        "specdec_proposer_draft_tokens_total",
+        "counter",
+        "Draft tokens proposed, by proposer",
+        ("proposer",),
+    ),
+    Family(
+        "specdec_proposer_accepted_draft_tokens_total",
+        "counter",
+        "Draft tokens the target accepted, by proposer",
+        ("proposer",),
+    ),
+    Family(
+        "specdec_prefix_hits_total",
+        "counter",
+        "Sequences that started from a reused prefix",
+    ),
+    Family(
+        "specdec_prefix_reused_tokens_total",
+        "counter",
+        "Prompt positions reused from a cached or running sequence instead of prefilled",
+    ),
+    Family(
+        "specdec_prefix_evictions_total",
+        "counter",
+        "Cached prefixes dropped to give their slot to a new sequence",
+    ),
+    Family("specdec_cached_prefixes", "gauge", "Free KV slots that hold a reusable prefix"),
+)
+FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def request_outcome(sequence_reasons: Iterable[str | None]) -> str:
+    """The outcome of a request whose sequences all finished, from their finish reasons:
+    the first of NORMAL_ENDS among them ("length" and "end" give "length")."""
+    reasons = set(sequence_reasons)
+    unexpected = reasons - set(NORMAL_ENDS)
+    if unexpected or not reasons:
+        raise ValueError(f"not a request whose sequences all finished: {sorted(map(str, reasons))}")
+    return next(outcome for outcome in NORMAL_ENDS if outcome in reasons)
+
+
+def markdown_table() -> str:
+    """docs/operations.md's metrics table."""
+    lines = ["| metric | kind | meaning |", "|---|---|---|"]
+    for family in FAMILIES:
+        labels = ", ".join(f"{label}=..." for label in family.labels)
+        name = f"{family.name}{{{labels}}}" if labels else family.name
+        lines.append(f"| `{name}` | {family.kind} | {family.help} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -23,137 +23,79 @@ from specdec.serving.metric_names import (
     ENGINE_CALL_KINDS,
     ENGINE_CALLS,
     ENGINE_RESULT_BYTES,
+    FAMILIES,
+    FAMILY_BY_NAME,
     LOOP_PARTS,
     OUTBOX_SECONDS,
-    OUTCOMES,
     PASSES_BY_TOKENS,
+    REQUEST_OUTCOMES,
+    REQUESTS,
+    SEQUENCE_OUTCOMES,
+    SEQUENCES,
 )
 from specdec.serving.outbox import PendingMetrics
 
-# PrefixCounts field -> (metric name, help)
-PREFIX_COUNTERS = (
-    ("num_hits", "specdec_prefix_hits_total", "Requests that started from a reused prefix"),
-    (
-        "num_reused_tokens",
-        "specdec_prefix_reused_tokens_total",
-        "Prompt positions reused from a cached or running sequence instead of prefilled",
-    ),
-    (
-        "num_evictions",
-        "specdec_prefix_evictions_total",
-        "Cached prefixes dropped to give their slot to a new sequence",
-    ),
-)
+# PrefixCounts field -> its running total's metric
+PREFIX_COUNTERS = {
+    "num_hits": "specdec_prefix_hits_total",
+    "num_reused_tokens": "specdec_prefix_reused_tokens_total",
+    "num_evictions": "specdec_prefix_evictions_total",
+}
 
 
 class LoopMetrics:
     def __init__(self, model: str, max_k: int, num_slots: int) -> None:
-        labels = {"model": model}
+        self.model = model
         self.pending = PendingMetrics()
-        self.families: list[object] = []  # a family must outlive its metrics
-
-        def family(name, description, kind):
-            created = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-            self.families.append(created)
-            return created
-
-        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        self.draft_tokens = family(
-            "specdec_draft_tokens_total", "Draft tokens proposed", counter
-        ).Metric(labels=labels)
-        self.accepted_tokens = family(
-            "specdec_accepted_draft_tokens_total", "Draft tokens accepted by the target", counter
-        ).Metric(labels=labels)
-        self.target_passes = family(
-            "specdec_target_passes_total",
-            "Sequences verified by the target (one per sequence per iteration)",
-            counter,
-        ).Metric(labels=labels)
-        self.iterations = family(
-            "specdec_iterations_total", "Loop iterations (one target call each)", counter
-        ).Metric(labels=labels)
-        self.emitted_tokens = family(
-            "specdec_emitted_tokens_total", "Output tokens emitted", counter
-        ).Metric(labels=labels)
-        by_proposer = family(
-            "specdec_proposer_draft_tokens_total", "Draft tokens proposed, by proposer", counter
-        )
-        accepted_by_proposer = family(
-            "specdec_proposer_accepted_draft_tokens_total",
-            "Draft tokens accepted by the target, by proposer",
-            counter,
-        )
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        # Every family of the table (metric_names.FAMILIES); a family must outlive its metrics.
+        self.families = {
+            f.name: pb_utils.MetricFamily(name=f.name, description=f.help, kind=kinds[f.kind])
+            for f in FAMILIES
+        }
+        metric = self._metric
+        self.draft_tokens = metric("specdec_draft_tokens_total")
+        self.accepted_tokens = metric("specdec_accepted_draft_tokens_total")
+        self.target_passes = metric("specdec_target_passes_total")
+        self.iterations = metric("specdec_iterations_total")
+        self.emitted_tokens = metric("specdec_emitted_tokens_total")
         self.proposer_tokens = {
             name: (
-                by_proposer.Metric(labels={**labels, "proposer": name}),
-                accepted_by_proposer.Metric(labels={**labels, "proposer": name}),
+                metric("specdec_proposer_draft_tokens_total", proposer=name),
+                metric("specdec_proposer_accepted_draft_tokens_total", proposer=name),
             )
             for name in PROPOSERS
         }
-        requests = family("specdec_requests_total", "Finished requests by outcome", counter)
-        self.requests = {o: requests.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
-        self.batch_size = family(
-            "specdec_running_batch_size", "Sequences in the running batch", gauge
-        ).Metric(labels=labels)
-        self.queued = family(
-            "specdec_queued_requests", "Requests waiting for a KV slot", gauge
-        ).Metric(labels=labels)
-        self.current_k = family(
-            "specdec_current_num_draft_tokens", "k the controller chose for adaptive rows", gauge
-        ).Metric(labels=labels)
-        self.free_slots = family(
-            "specdec_free_kv_slots", "KV cache slots free in each engine", gauge
-        ).Metric(labels=labels)
+        self.requests = {o: metric(REQUESTS, outcome=o) for o in REQUEST_OUTCOMES}
+        self.sequences = {o: metric(SEQUENCES, outcome=o) for o in SEQUENCE_OUTCOMES}
+        self.batch_size = metric("specdec_running_batch_size")
+        self.queued = metric("specdec_queued_requests")
+        self.current_k = metric("specdec_current_num_draft_tokens")
+        self.free_slots = metric("specdec_free_kv_slots")
         self.free_slots.set(num_slots)
-        self.calibrated = family(
-            CALIBRATED,
-            "1 once the start-up measurement of the engines' costs is over; requests wait "
-            "until then",
-            gauge,
-        ).Metric(labels=labels)
+        self.calibrated = metric(CALIBRATED)
         self.calibrated.set(0)
-        self.outbox_seconds = family(
-            OUTBOX_SECONDS,
-            "Seconds the outbox spent sending responses and applying metric updates (inline: "
-            "within the loop's respond part; with response_thread: beside the loop)",
-            counter,
-        ).Metric(labels=labels)
+        self.outbox_seconds = metric(OUTBOX_SECONDS)
         self.outbox_seconds_flushed = 0.0
-        loop_seconds = family(
-            "specdec_loop_seconds_total",
-            "Seconds the loop spent, by part (" + ", ".join(LOOP_PARTS) + ")",
-            counter,
-        )
         self.loop_seconds = {
-            part: loop_seconds.Metric(labels={**labels, "part": part}) for part in LOOP_PARTS
+            part: metric("specdec_loop_seconds_total", part=part) for part in LOOP_PARTS
         }
-        passes_by_tokens = family(
-            PASSES_BY_TOKENS,
-            "Target passes by the tokens the sequence emitted in them (accepted + 1)",
-            counter,
-        )
-        self.passes_by_tokens = [
-            passes_by_tokens.Metric(labels={**labels, "tokens": str(n)}) for n in range(max_k + 2)
-        ]
-        engine_calls = family(ENGINE_CALLS, "Engine model calls by the loop", counter)
-        result_bytes = family(
-            ENGINE_RESULT_BYTES, "Bytes the engine calls' results brought back", counter
-        )
-        self.engine_calls = {
-            call: engine_calls.Metric(labels={**labels, "call": call}) for call in ENGINE_CALL_KINDS
-        }
+        self.passes_by_tokens = [metric(PASSES_BY_TOKENS, tokens=str(n)) for n in range(max_k + 2)]
+        self.engine_calls = {call: metric(ENGINE_CALLS, call=call) for call in ENGINE_CALL_KINDS}
         self.engine_result_bytes = {
-            call: result_bytes.Metric(labels={**labels, "call": call}) for call in ENGINE_CALL_KINDS
+            call: metric(ENGINE_RESULT_BYTES, call=call) for call in ENGINE_CALL_KINDS
         }
         # Prefix reuse across requests (specdec/loop/prefix_cache.py): running totals.
-        self.prefix_counters = {
-            name: family(metric, text, counter).Metric(labels=labels)
-            for name, metric, text in PREFIX_COUNTERS
-        }
+        self.prefix_counters = {field: metric(name) for field, name in PREFIX_COUNTERS.items()}
         self.prefix_flushed = PrefixCounts()
-        self.cached_prefixes = family(
-            "specdec_cached_prefixes", "Free KV slots that hold a reusable prefix", gauge
-        ).Metric(labels=labels)
+        self.cached_prefixes = metric("specdec_cached_prefixes")
+
+    def _metric(self, name: str, **labels: str):
+        """The metric of a family of the table with these labels (its label names, all)."""
+        declared = FAMILY_BY_NAME[name].labels
+        if sorted(labels) != sorted(declared):
+            raise ValueError(f"{name}: labels {sorted(labels)}, declared {sorted(declared)}")
+        return self.families[name].Metric(labels={"model": self.model, **labels})
 
     def record_iteration(self, stats: IterationStats) -> None:
         """An iteration that ran (one target call): a fixed number of updates, not one per
@@ -217,9 +159,13 @@ class LoopMetrics:
         self.pending.set(self.queued, num_waiting)
         self.pending.set(self.free_slots, free_slots)
 
-    def finished(self, outcome: str, count: int = 1) -> None:
-        """`count` requests (or sequences) ended with `outcome`."""
-        self.pending.increment(self.requests[outcome], count)
+    def request_ended(self, outcome: str) -> None:
+        """A client request's final response is decided (REQUEST_OUTCOMES): once each."""
+        self.pending.increment(self.requests[outcome], 1)
+
+    def sequences_ended(self, outcome: str, count: int = 1) -> None:
+        """`count` sequences ended with `outcome` (SEQUENCE_OUTCOMES)."""
+        self.pending.increment(self.sequences[outcome], count)
 
     def flush(self) -> None:
         """Applies the gathered updates (Triton round trips): on the outbox's thread."""

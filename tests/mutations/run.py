@@ -161,6 +161,17 @@ MUTANTS = [
         "return PROBE_EVERY",
         tests=ECONOMICS,
     ),
+    Mutant(
+        "request-outcome-order",
+        "a request with one answer cut at max_tokens counts as ended by its end token",
+        "specdec/serving/metric_names.py",
+        "return next(outcome for outcome in NORMAL_ENDS if outcome in reasons)",
+        "return next(outcome for outcome in reversed(NORMAL_ENDS) if outcome in reasons)",
+        # the rule alone: the copy has no docs/ for the file's other tests
+        tests=(
+            "tests/test_metric_names.py::test_a_finished_request_counts_under_its_most_truncating_reason",
+        ),
+    ),
 ]
 
 
