@@ -25,6 +25,7 @@ from build.export_onnx import hf_directory
 from specdec.engines.select import DTYPES, engine_dtype
 from specdec.engines.trt_plan import default_plan_dir, ensure_plan, optimization_profiles
 from specdec.paths import PROJECT_ROOT
+from specdec.serving.settings import DTYPE, MAX_CONTEXT, NUM_SLOTS
 
 
 @dataclass
@@ -79,9 +80,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="plan folder (one checkpoint only)")
     parser.add_argument("--engines-root", type=Path, default=PROJECT_ROOT / ".run" / "engines")
     # DTYPES: float32 too, so that it is refused with the reason (and the alternative)
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")  # as the server's DTYPE
-    parser.add_argument("--num-slots", type=int, default=64)
-    parser.add_argument("--max-context", type=int, default=2048)
+    # The server's settings on a GPU host (specdec/serving/settings.py), so that by default
+    # the plans serve what the server asks for.
+    parser.add_argument("--dtype", choices=DTYPES, default=DTYPE.deployed_default)
+    parser.add_argument("--num-slots", type=int, default=int(NUM_SLOTS.deployed_default))
+    parser.add_argument("--max-context", type=int, default=int(MAX_CONTEXT.deployed_default))
     parser.add_argument("--print-profiles", action="store_true")
     args = parser.parse_args()
     run(

@@ -1,7 +1,8 @@
 """The `triton` service's command: the image's tritonserver on the rendered repository.
 
 The repository is rendered from the environment exactly as `make serve` does
-(specdec/server_config.py: TARGET_CHECKPOINT, DRAFT_CHECKPOINT, ENGINE, DEVICE, NUM_SLOTS, ...),
+(specdec/server_config.py; the settings, TARGET_CHECKPOINT, ENGINE, DEVICE, NUM_SLOTS, ..., are
+declared in specdec/serving/settings.py: docs/operations.md, Settings),
 then /opt/tritonserver/bin/tritonserver serves it on all interfaces of the container
 (compose publishes the ports on 127.0.0.1 by default) with model control off and the
 repository, shared-memory, trace and logging APIs restricted to requests that carry the

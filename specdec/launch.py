@@ -5,9 +5,10 @@
     python -m specdec.launch --exit-when-unready   # containers: exit 1 when a stub died
 
 The environment configures it (ports, ENGINE, DEVICE, DTYPE, checkpoints, NUM_SLOTS, ...,
-and what locks it: TRITON_INFERENCE_KEY, GRPC_SSL_CERT / GRPC_SSL_KEY; the list is in
-specdec/server_config.py). This module holds the supervisor and the command
-line; tests and tools start servers with specdec/harness.py.
+and what locks it: TRITON_INFERENCE_KEY, GRPC_SSL_CERT / GRPC_SSL_KEY; each setting is
+declared in specdec/serving/settings.py, the table is in docs/operations.md, Settings). This
+module holds the supervisor and the command line; tests and tools start servers with
+specdec/harness.py.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from specdec.openai_protocol import (
     validation_error,
 )
 from specdec.paths import PROJECT_ROOT
+from specdec.serving.settings import MAX_CONTEXT, TARGET_CHECKPOINT
 from specdec.text.tokenizer import TextTokenizer, load_tokenizer
 from specdec.triton_access import SESSION_HEADER, AccessError, TritonAccess
 
@@ -118,9 +119,9 @@ class Backend:
         )
         config = response["config"]
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.max_context = int(parameters["max_context"])
+        self.max_context = MAX_CONTEXT.read(parameters)  # missing: the declared default
         self.triton_inputs = {tensor["name"] for tensor in config["input"]}
-        checkpoint = Path(parameters["checkpoint"])
+        checkpoint = Path(TARGET_CHECKPOINT.read(parameters))
         if not checkpoint.is_absolute():  # as the BLS resolves it
             checkpoint = Path(os.environ.get("SPECDEC_HOME", PROJECT_ROOT)) / checkpoint
         self.tokenizer = await asyncio.to_thread(load_tokenizer, str(checkpoint))

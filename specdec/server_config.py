@@ -1,34 +1,19 @@
 """The Triton server's configuration from the environment, the model repository rendered with
 it, and the tritonserver command line (the 2.51 binary of PyPI's nvidia-pytriton, on the CPU).
 
-Environment: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002), ENGINE (torch,
-onnxruntime or tensorrt; specdec/engines/select.py), DEVICE (torch engine: cpu or cuda), DTYPE
-(the engines' precision: float32, bfloat16, float16 or auto; unset: the committed float32),
-CUDA_GRAPHS (true: the torch engine on CUDA replays its decode steps as CUDA graphs),
-DRAFT_ENGINE_DIR, TARGET_ENGINE_DIR (exported engines; default: built on demand under
-.run/engines), TARGET_CHECKPOINT, DRAFT_CHECKPOINT (HF directories), NUM_SLOTS, MAX_CONTEXT,
-DEFAULT_NUM_DRAFT_TOKENS, MAX_QUEUE, PROPOSERS (draft_model,ngram), RESPONSE_THREAD (auto,
-true or false: send each iteration's responses on a thread beside the loop; auto: with 4 or
-more usable cores; specdec/serving/outbox.py), STREAM_INTERVAL (1: output tokens a streamed
-sequence gathers between responses, for requests that send no stream_interval),
-CALIBRATION_SECONDS (5: the start-up cost measurement's budget, 0 = off;
-specdec/loop/calibration.py), PREFIX_CACHE (on or off: prompts start from cached or running
-sequences' caches; specdec/loop/prefix_cache.py), PREFIX_MIN_TOKENS (64: the shortest prefix
-reused), PREFILL_CHUNK (256: a longer prompt joins in chunks of this many tokens per step; 0 =
-off), RUN_DIR (.run). STREAM_INTERVAL, RESPONSE_THREAD, CUDA_GRAPHS, CALIBRATION_SECONDS, the
-PREFIX_ settings and PREFILL_CHUNK are checked here, before the server starts
-(specdec/serving/settings.py). The repository in model_repository/ is rendered into RUN_DIR
-with these values, so the committed configs stay usable as they are (docker compose mounts
-them).
+The settings of the models (checkpoints, ENGINE, DEVICE, DTYPE, NUM_SLOTS, MAX_CONTEXT,
+PROPOSERS, ...) and the keys and TLS files that lock Triton (TRITON_INFERENCE_KEY,
+TRITON_ADMIN_KEY, GRPC_SSL_CERT, GRPC_SSL_KEY; docs/operations.md, Security) are declared in
+one place, specdec/serving/settings.py (the table: docs/operations.md, Settings). Each one
+set is parsed through its declaration here, so a bad value stops the server before it starts,
+naming the variable. The repository in model_repository/ is rendered into RUN_DIR with every
+declared parameter of each model written into its config.pbtxt (the variable's value, else
+the declared default), checkpoint paths made absolute; docker compose renders it the same
+way (docker/triton_entrypoint.py).
 
-Access (docs/operations.md, Security; checked before the server starts as well):
-TRITON_INFERENCE_KEY (Triton's inference, metadata, model-config and statistics APIs answer
-only requests with the header `inference-key: <value>`; gRPC clients send it as
-`triton-grpc-protocol-inference-key`, specdec/triton_access.py), TRITON_ADMIN_KEY (the same
-for the model-repository, shared-memory, trace and logging APIs, header `admin-key`),
-GRPC_SSL_CERT and GRPC_SSL_KEY (PEM files: gRPC over TLS). Health and metrics stay open.
-The keys are on tritonserver's command line (visible in the process list to users of the
-host); nothing of ours prints them.
+Beside them: HTTP_PORT, GRPC_PORT, METRICS_PORT (8000, 8001, 8002) and RUN_DIR (.run). The
+keys are on tritonserver's command line (visible in the process list to users of the host);
+nothing of ours prints them.
 """
 
 from __future__ import annotations
@@ -46,33 +31,15 @@ from pathlib import Path
 from specdec.certificates import check_dates, check_key_pair
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent
-from specdec.serving.settings import ENV_CHECKS
+from specdec.serving.settings import (
+    DRAFT_CHECKPOINT,
+    SETTINGS,
+    TARGET_CHECKPOINT,
+    model_settings,
+)
 from specdec.triton_access import INFERENCE_KEY_HEADER
 
-ENGINE_MODELS = ("draft_model", "target_model")
-BLS_MODELS = ("speculative_decoding",)
-# Environment variables that set config.pbtxt parameters (when set and not empty):
-# variable -> (parameter, the models that take it).
-ENV_PARAMETERS = {
-    "NUM_SLOTS": ("num_slots", ENGINE_MODELS + BLS_MODELS),
-    "MAX_CONTEXT": ("max_context", ENGINE_MODELS + BLS_MODELS),
-    "ENGINE": ("engine", ENGINE_MODELS),  # torch, onnxruntime, tensorrt
-    "DEVICE": ("device", ENGINE_MODELS),  # the torch engine's: cpu, cuda
-    "DTYPE": ("dtype", ENGINE_MODELS),  # float32, bfloat16, float16, auto
-    "CUDA_GRAPHS": ("cuda_graphs", ENGINE_MODELS),  # true: torch on CUDA replays CUDA graphs
-    "DRAFT_ENGINE_DIR": ("engine_dir", ("draft_model",)),
-    "TARGET_ENGINE_DIR": ("engine_dir", ("target_model",)),
-    "TARGET_CHECKPOINT": ("checkpoint", ("target_model", "preprocessing") + BLS_MODELS),
-    "DRAFT_CHECKPOINT": ("checkpoint", ("draft_model",)),
-    "MAX_QUEUE": ("max_queue", BLS_MODELS),
-    "RESPONSE_THREAD": ("response_thread", BLS_MODELS),  # auto, true, false
-    "STREAM_INTERVAL": ("stream_interval", BLS_MODELS),
-    "DEFAULT_NUM_DRAFT_TOKENS": ("default_num_draft_tokens", BLS_MODELS),
-    "CALIBRATION_SECONDS": ("calibration_seconds", BLS_MODELS),  # 0: no start-up measurement
-    "PREFIX_CACHE": ("prefix_cache", BLS_MODELS),  # on, off
-    "PREFIX_MIN_TOKENS": ("prefix_min_tokens", BLS_MODELS),
-    "PREFILL_CHUNK": ("prefill_chunk", BLS_MODELS),  # 0: prompts prefill whole
-}
+CHECKPOINTS = (TARGET_CHECKPOINT, DRAFT_CHECKPOINT)  # relative: made absolute when rendered
 # Triton's restricted API groups (a group may appear in one restriction only). The inference
 # key locks what a client of the models calls: inference, the metadata and config our OpenAI
 # API and perf_analyzer read first (the config names checkpoint paths), and the statistics.
@@ -90,7 +57,7 @@ class ServerConfig:
     address: str = "127.0.0.1"
     run_dir: Path = PROJECT_ROOT / ".run"
     source_repository: Path = PROJECT_ROOT / "model_repository"
-    # config.pbtxt parameter overrides: model name -> {parameter: value}
+    # The declared settings set in the environment: model name -> {parameter: value}
     parameters: dict[str, dict[str, str]] = field(default_factory=dict)
     exit_timeout_s: int = 30
     inference_key: str | None = field(default=None, repr=False)  # TRITON_INFERENCE_KEY
@@ -100,11 +67,14 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerConfig:
-        """Raises ValueError naming the variable for a bad value of one in ENV_CHECKS."""
+        """Raises ValueError naming the variable for a bad value of a declared setting."""
         env = dict(os.environ if env is None else env)
-        for var, check in ENV_CHECKS.items():
-            if env.get(var):
-                check(var, env[var])
+        parameters: dict[str, dict[str, str]] = {}
+        for setting in SETTINGS:
+            text = setting.from_env(env)  # checked; None: unset
+            if text is not None:
+                for model in setting.models:
+                    parameters.setdefault(model, {})[setting.key] = text
         if bool(env.get("GRPC_SSL_CERT")) != bool(env.get("GRPC_SSL_KEY")):
             given, missing = sorted(("GRPC_SSL_CERT", "GRPC_SSL_KEY"), key=lambda v: not env.get(v))
             raise ValueError(f"{missing}: not set, and {given} is: TLS needs both")
@@ -112,6 +82,7 @@ class ServerConfig:
             http_port=int(env.get("HTTP_PORT", 8000)),
             grpc_port=int(env.get("GRPC_PORT", 8001)),
             metrics_port=int(env.get("METRICS_PORT", 8002)),
+            parameters=parameters,
             inference_key=env.get("TRITON_INFERENCE_KEY") or None,
             admin_key=env.get("TRITON_ADMIN_KEY") or None,
         )
@@ -122,12 +93,6 @@ class ServerConfig:
             config.grpc_ssl_cert, config.grpc_ssl_key = Path(cert).absolute(), Path(key).absolute()
         if env.get("RUN_DIR"):
             config.run_dir = Path(env["RUN_DIR"])
-        for var, (key, models) in ENV_PARAMETERS.items():
-            if env.get(var):
-                for model in models:
-                    config.parameters.setdefault(model, {})[key] = env[var]
-        if "PROPOSERS" in env:  # "" is a value: no speculation
-            config.parameters.setdefault("speculative_decoding", {})["proposers"] = env["PROPOSERS"]
         return config
 
 
@@ -162,18 +127,37 @@ def access_summary(config: ServerConfig) -> str:
     return ", ".join(locks) or "no TLS, no keys"
 
 
-def set_parameter(config_text: str, key: str, value: str) -> str:
-    """Replaces the string_value of parameter `key` in a config.pbtxt."""
-    pattern = re.compile(
-        r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*")[^"]*(")'
+PARAMETER_LINE = 'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+PBTXT_STRING = r'"((?:[^"\\]|\\.)*)"'  # a quoted protobuf text string, escapes included
+
+
+def parameter_pattern(key: str) -> re.Pattern[str]:
+    return re.compile(
+        r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*' + PBTXT_STRING
     )
-    if not pattern.search(config_text):
-        raise KeyError(f"parameter {key!r} not in config")
-    return pattern.sub(lambda m: m.group(1) + value + m.group(2), config_text)
+
+
+def set_parameter(config_text: str, key: str, value: str) -> str:
+    """The config.pbtxt with parameter `key` set to `value`: replaced where it has the
+    parameter, else added as a line of its own at the end."""
+    quoted = value.replace("\\", "\\\\").replace('"', '\\"')
+    pattern = parameter_pattern(key)
+    if pattern.search(config_text):
+        start = 'key: "' + key + '" value: { string_value: "'
+        return pattern.sub(lambda _: start + quoted + '"', config_text)
+    return config_text.rstrip("\n") + "\n" + PARAMETER_LINE.format(key=key, value=quoted) + "\n"
+
+
+def get_parameter(config_text: str, key: str) -> str | None:
+    """The string_value of parameter `key` in a config.pbtxt, None where it has none."""
+    match = parameter_pattern(key).search(config_text)
+    return None if match is None else re.sub(r"\\(.)", r"\1", match.group(1))
 
 
 def render_repository(config: ServerConfig) -> Path:
-    """Copies the model repository into run_dir with parameters applied and paths absolute."""
+    """Copies the model repository into run_dir, every declared parameter of each model
+    written into its config.pbtxt: the value set in `config`, else the one its config.pbtxt
+    carries, else the declared default; checkpoint paths made absolute."""
     target = config.run_dir / "model_repository"
     if target.exists():
         shutil.rmtree(target)
@@ -181,11 +165,14 @@ def render_repository(config: ServerConfig) -> Path:
     for config_file in target.glob("*/config.pbtxt"):
         model = config_file.parent.name
         text = config_file.read_text()
-        for key, value in config.parameters.get(model, {}).items():
-            text = set_parameter(text, key, value)
-        match = re.search(r'key:\s*"checkpoint"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-        if match and not Path(match.group(1)).is_absolute():
-            text = set_parameter(text, "checkpoint", str(PROJECT_ROOT / match.group(1)))
+        given = config.parameters.get(model, {})
+        for setting in model_settings(model):
+            value = given.get(setting.key, get_parameter(text, setting.key))
+            if value is None:
+                value = setting.default
+            if setting in CHECKPOINTS and not Path(value).is_absolute():
+                value = str(PROJECT_ROOT / value)
+            text = set_parameter(text, setting.key, value)
         config_file.write_text(text)
     return target
 

@@ -16,6 +16,7 @@ from tls import make_ca, make_server_certificate, require_openssl
 
 from specdec.paths import PROJECT_ROOT
 from specdec.server_config import ServerConfig, render_repository
+from specdec.serving.settings import BY_VARIABLE, TARGET_CHECKPOINT
 
 COMPOSE = PROJECT_ROOT / "docker-compose.yml"
 IMAGE_ROOT = "/opt/specdec"  # where docker/Dockerfile puts the repository
@@ -23,8 +24,9 @@ GENERATED = {"models", "results", ".run/engines", ".run/certs"}  # made by build
 
 
 def expand(value: str) -> str:
-    """${VAR:-default} -> default: the file as `docker compose up` reads it with no .env."""
-    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", re.sub(r"\$\{\w+\}", "", str(value)))
+    """${VAR:-default}, ${VAR-default} -> default: the file as `docker compose up` reads it
+    with no .env."""
+    return re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", re.sub(r"\$\{\w+\}", "", str(value)))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +134,7 @@ def test_openai_service_reaches_triton_and_the_tokenizer(compose):
     (port,) = openai["ports"]
     assert expand(port) == f"127.0.0.1:9000:{env['OPENAI_PORT']}"
     assert f"localhost:{env['OPENAI_PORT']}/health" in " ".join(openai["healthcheck"]["test"])
-    checkpoint = f"{IMAGE_ROOT}/models/smollm2-135m-instruct"  # the BLS's, rendered in the image
+    checkpoint = f"{IMAGE_ROOT}/{TARGET_CHECKPOINT.default}"  # the BLS's, rendered in the image
     assert (
         host_path(openai, checkpoint)
         == host_path(triton, checkpoint)
@@ -252,6 +254,66 @@ def test_rendered_repository_for_the_gpu(compose, tmp_path, engine):
         assert 'key: "num_slots" value: { string_value: "64" }' in text
         checkpoint = re.search(r'key: "checkpoint" value: \{ string_value: "([^"]+)"', text)[1]
         assert Path(checkpoint).is_absolute() and checkpoint.startswith(str(PROJECT_ROOT))
+
+
+# What the triton service sets that is no declared setting: the entrypoint's own.
+ENTRYPOINT_VARIABLES = {"TRITON_ARGS"}
+# ${NAME:-default}: the default when unset or empty; ${NAME-default}: only when unset.
+WITH_DEFAULT = re.compile(r"\$\{(\w+)(:?-)([^}]*)\}")
+
+
+def default_problem(name: str, operator: str, default: str) -> str | None:
+    """Why a `${name<operator>default}` disagrees with the declaration (None: it agrees). An
+    empty default leaves the variable unset (the declared default) where that is the GPU
+    hosts' value too; ":-" would turn a set but empty PROPOSERS ("" = no speculation) into
+    the default."""
+    setting = BY_VARIABLE.get(name)
+    if setting is None:
+        return f"{name} is no declared setting (specdec/serving/settings.py)"
+    if (operator == "-") != setting.empty_is_value:
+        return f"{name}: use ${{{name}-...}} where empty is a value, else ${{{name}:-...}}"
+    if default == "" and setting.gpu_default is None and not setting.empty_is_value:
+        return None
+    if default != setting.deployed_default:
+        return f"{name}: default {default!r}, declared {setting.deployed_default!r}"
+    setting.parse(name, default)
+    return None
+
+
+def environment_problems(environment: dict[str, str]) -> list[str]:
+    problems = []
+    for name, value in environment.items():
+        match = WITH_DEFAULT.fullmatch(str(value))
+        if name in ENTRYPOINT_VARIABLES:
+            continue
+        if match is None or match[1] != name:
+            problems.append(f"{name}: {value!r} is not ${{{name}:-default}}")
+        elif (problem := default_problem(*match.groups())) is not None:
+            problems.append(problem)
+    return problems
+
+
+def test_the_services_set_declared_settings_with_their_declared_defaults(compose):
+    """Every variable the build and triton services set is a declared setting, defaulting
+    to its declared value (the GPU column's where it has one: DEVICE=cuda, DTYPE=auto)."""
+    services = compose["services"]
+    for name in ("build", "triton"):
+        assert environment_problems(services[name]["environment"]) == [], name
+    assert set(services["triton"]["environment"]) >= set(BY_VARIABLE)  # every one passed on
+    # Negative controls: each kind of disagreement is seen.
+    environment = dict(services["triton"]["environment"])
+    environment |= {"MAX_QUEUE": "${MAX_QUEUE:-512}", "DEVICE": "${DEVICE:-}"}
+    environment |= {"PROPOSERS": "${PROPOSERS:-draft_model,ngram}", "MAX_QUEU": "${MAX_QUEU:-1}"}
+    assert len(environment_problems(environment)) == 4
+
+
+def test_the_engine_build_scripts_defaults_are_the_declared_ones():
+    """docker/build_engines.sh (the build service and Kubernetes' init container) defaults
+    what it reads as the triton service does."""
+    text = (PROJECT_ROOT / "docker" / "build_engines.sh").read_text()
+    found = [m for m in WITH_DEFAULT.findall(text) if m[0] in BY_VARIABLE]
+    assert {name for name, _, _ in found} >= {"TARGET_CHECKPOINT", "NUM_SLOTS", "DTYPE", "ENGINE"}
+    assert [p for m in found if (p := default_problem(*m)) is not None] == []
 
 
 def gpu_ids(service: dict) -> list[str]:

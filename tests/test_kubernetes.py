@@ -35,6 +35,7 @@ from specdec.gateway.drain import drain
 from specdec.paths import PROJECT_ROOT
 from specdec.server_config import ServerConfig
 from specdec.serving.metric_names import FAMILY_BY_NAME
+from specdec.serving.settings import BY_VARIABLE
 
 DEPLOY = PROJECT_ROOT / "deploy" / "kubernetes"
 VARIANTS = ("base", "overlays/cpu", "overlays/tensorrt")
@@ -264,6 +265,52 @@ def test_triton_probes_ports_and_gpu(rendered, variant):
     assert (PROJECT_ROOT / "docker" / "build_engines.sh").exists()
     mounts = {m["mountPath"] for m in init["volumeMounts"]}
     assert mounts <= {m["mountPath"] for m in triton["volumeMounts"]}  # the engines it built
+
+
+# What an overlay sets on purpose beside the base (its kustomization.yaml says why); the base
+# sets the declared defaults, those of the GPU column where there is one.
+OVERLAY_SETTINGS = {
+    "base": {},
+    "overlays/cpu": {"DEVICE": "cpu", "NUM_SLOTS": "16", "MAX_CONTEXT": "1024"},
+    "overlays/tensorrt": {"ENGINE": "tensorrt"},
+}
+
+
+def setting_problems(spec: dict, overlay: dict[str, str]) -> list[str]:
+    """Why the Triton pod's variables disagree with the declaration (specdec/serving/
+    settings.py) and the overlay: each is a declared setting, with its GPU hosts' default
+    (empty: unset, where that is the default there too) or the overlay's value."""
+    problems = []
+    for container in [*spec["initContainers"], *spec["containers"]]:
+        for variable in container["env"]:
+            name, value = variable["name"], variable.get("value")
+            setting = BY_VARIABLE.get(name)
+            if setting is None:
+                problems.append(f"{container['name']}: {name} is no declared setting")
+            elif value is None or (value == "" and setting.deployed_default == setting.default):
+                continue  # from a Secret, or unset
+            elif value not in (setting.deployed_default, overlay.get(name)):
+                problems.append(f"{container['name']}: {name}={value!r}")
+            else:
+                setting.parse(name, value)
+    return problems
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_triton_pods_set_declared_settings_with_their_declared_defaults(rendered, variant):
+    spec = pod_spec(rendered[variant], "specdec-triton")
+    assert setting_problems(spec, OVERLAY_SETTINGS[variant]) == []
+    (triton,) = spec["containers"]
+    assert OVERLAY_SETTINGS[variant].items() <= plain_env(triton).items()
+
+
+def test_the_settings_check_sees_a_value_that_is_not_declared(rendered):
+    """Negative controls: a changed default, an undeclared variable, an unset GPU value."""
+    spec = copy.deepcopy(pod_spec(rendered["base"], "specdec-triton"))
+    env = spec["containers"][0]["env"]
+    env += [{"name": "MAX_QUEU", "value": "1"}, {"name": "DTYPE", "value": ""}]
+    next(v for v in env if v["name"] == "MAX_QUEUE")["value"] = "512"
+    assert len(setting_problems(spec, {})) == 3
 
 
 def test_prestop_drains_within_the_grace_period(rendered):

@@ -25,7 +25,8 @@ from specdec.engines.greedy_parity import (
 )
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.select import create_engine, engine_dtype, resolve_dtype
-from specdec.server_config import ENGINE_MODELS, ServerConfig, render_repository
+from specdec.server_config import ServerConfig, render_repository
+from specdec.serving.settings import ENGINE_MODELS
 
 CPU_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 CPU_WITH_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_tile amx_bf16 amx_int8\n"

@@ -29,28 +29,18 @@ import triton_python_backend_utils as pb_utils
 
 from specdec.engines.wire import EngineBatch, EngineResult
 from specdec.loop.admission import QueueFull
-from specdec.loop.config import DEFAULT_PREFILL_CHUNK, SchedulerConfig
-from specdec.loop.prefix_cache import DEFAULT_PREFIX_MIN_TOKENS
-from specdec.loop.proposers import PROPOSERS
+from specdec.loop.config import SchedulerConfig
 from specdec.loop.scheduler import LoopSnapshot, SpeculativeScheduler
 from specdec.loop.sequence import SequenceState, Update
 from specdec.loop.timing import StepTimer
+from specdec.serving import settings
 from specdec.serving.cancel_ring import CancelRing, RunningTurns
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
 from specdec.serving.metric_names import request_outcome
 from specdec.serving.metrics import LoopMetrics
 from specdec.serving.outbox import Outbox, Work
 from specdec.serving.responses import StreamHold, response_arrays
-from specdec.serving.settings import (
-    decide_response_thread,
-    parse_calibration_seconds,
-    parse_prefill_chunk,
-    parse_prefix_cache,
-    parse_prefix_min_tokens,
-    parse_response_thread,
-    parse_stream_interval,
-    usable_cores,
-)
+from specdec.serving.settings import decide_response_thread, usable_cores
 from specdec.text.request import InvalidInput, parse_requests
 from specdec.text.tokenizer import load_tokenizer
 
@@ -107,20 +97,6 @@ class TritonEngines:
         return self._call(self.target_model, batch)
 
 
-def parse_default_k(value: str) -> int | None:
-    """The default_num_draft_tokens parameter: "adaptive" or a fixed k."""
-    return None if value.strip().lower() == "adaptive" else int(value)
-
-
-def parse_proposers(value: str) -> tuple[str, ...]:
-    """The proposers parameter: comma-separated names from PROPOSERS ("" = no speculation)."""
-    names = tuple(name.strip() for name in value.split(",") if name.strip())
-    unknown = [name for name in names if name not in PROPOSERS]
-    if unknown:
-        raise ValueError(f"proposers: unknown {unknown}; expected names from {PROPOSERS}")
-    return names
-
-
 class TritonRequest(Protocol):
     """What the loop asks of a pb_utils.InferenceRequest once it is queued."""
 
@@ -164,42 +140,29 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"])):
             raise ValueError("speculative_decoding must use the decoupled transaction policy")
         params = model_parameters(args)
-        # Settings first: a bad one stops the load at once, naming the setting.
-        self.stream_interval = parse_stream_interval(
-            "stream_interval (STREAM_INTERVAL)", params.get("stream_interval", "1")
-        )
+        # Settings first (specdec/serving/settings.py; a missing one is its default): a bad
+        # one stops the load at once, naming the setting.
+        self.stream_interval = settings.STREAM_INTERVAL.read(params)
         threaded, why = decide_response_thread(
-            parse_response_thread(
-                "response_thread (RESPONSE_THREAD)", params.get("response_thread", "auto")
-            ),
-            usable_cores(),
+            settings.RESPONSE_THREAD.read(params), usable_cores()
         )
-        prefix_min_tokens: int | None = parse_prefix_min_tokens(
-            "prefix_min_tokens (PREFIX_MIN_TOKENS)",
-            params.get("prefix_min_tokens", str(DEFAULT_PREFIX_MIN_TOKENS)),
-        )
-        if not parse_prefix_cache("prefix_cache (PREFIX_CACHE)", params.get("prefix_cache", "on")):
-            prefix_min_tokens = None
-        self.tokenizer = load_tokenizer(resolve_path(params["checkpoint"]))
+        self.calibration_seconds = settings.CALIBRATION_SECONDS.read(params)
+        prefix_min_tokens = settings.PREFIX_MIN_TOKENS.read(params)  # checked even when off
         self.config = SchedulerConfig(
-            num_slots=int(params["num_slots"]),
-            max_context=int(params["max_context"]),
+            num_slots=settings.NUM_SLOTS.read(params),
+            max_context=settings.MAX_CONTEXT.read(params),
             max_draft_tokens=int(params["max_num_draft_tokens"]),
-            default_draft_tokens=parse_default_k(params["default_num_draft_tokens"]),
-            max_queue=int(params.get("max_queue", 1024)),
-            proposer_names=parse_proposers(params.get("proposers", ",".join(PROPOSERS))),
-            prefix_min_tokens=prefix_min_tokens,
-            prefill_chunk=parse_prefill_chunk(
-                "prefill_chunk (PREFILL_CHUNK)",
-                params.get("prefill_chunk", str(DEFAULT_PREFILL_CHUNK)),
-            ),
+            default_draft_tokens=settings.DEFAULT_NUM_DRAFT_TOKENS.read(params),
+            max_queue=settings.MAX_QUEUE.read(params),
+            proposer_names=settings.PROPOSERS.read(params),
+            ngram_match_lengths=settings.NGRAM_MATCH_LENGTHS.read(params),
+            prefix_min_tokens=prefix_min_tokens if settings.PREFIX_CACHE.read(params) else None,
+            prefill_chunk=settings.PREFILL_CHUNK.read(params),
         )
+        self.tokenizer = load_tokenizer(resolve_path(settings.TARGET_CHECKPOINT.read(params)))
         engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
         self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
         self.timer = StepTimer(self.scheduler)  # books each step's whole cost
-        self.calibration_seconds = parse_calibration_seconds(
-            "calibration_seconds (CALIBRATION_SECONDS)", params.get("calibration_seconds", "0")
-        )
         self.max_return_sequences = self.config.num_slots  # more would never run at once
         self.inputs = input_names(args)
         self.metrics = LoopMetrics(

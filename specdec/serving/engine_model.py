@@ -13,8 +13,8 @@ import triton_python_backend_utils as pb_utils
 from specdec.engines.in_process import run_draft, run_target
 from specdec.engines.select import create_engine
 from specdec.engines.wire import EngineBatch
+from specdec.serving import settings
 from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
-from specdec.serving.settings import parse_bool
 
 
 class TritonPythonModel:
@@ -22,15 +22,21 @@ class TritonPythonModel:
         params = model_parameters(args)
         self.role = params["role"]
         self.run = {"draft": run_draft, "target": run_target}[self.role]
+        # Its settings (specdec/serving/settings.py; a missing one is its default).
+        checkpoint, engine_dir = {
+            "draft": (settings.DRAFT_CHECKPOINT, settings.DRAFT_ENGINE_DIR),
+            "target": (settings.TARGET_CHECKPOINT, settings.TARGET_ENGINE_DIR),
+        }[self.role]
+        folder = engine_dir.read(params)
         self.engine = create_engine(
-            params.get("engine", "torch"),
-            resolve_path(params["checkpoint"]),
-            num_slots=int(params["num_slots"]),
-            max_length=int(params["max_context"]),
-            device=params.get("device", "cpu"),
-            engine_dir=resolve_path(params["engine_dir"]) if params.get("engine_dir") else None,
-            dtype=params.get("dtype", "float32"),
-            cuda_graphs=parse_bool("cuda_graphs", params.get("cuda_graphs", "false")),
+            settings.ENGINE.read(params),
+            resolve_path(checkpoint.read(params)),
+            num_slots=settings.NUM_SLOTS.read(params),
+            max_length=settings.MAX_CONTEXT.read(params),
+            device=settings.DEVICE.read(params),
+            engine_dir=resolve_path(folder) if folder else None,
+            dtype=settings.DTYPE.read(params),
+            cuda_graphs=settings.CUDA_GRAPHS.read(params),
         )
         self.inputs = input_names(args)
 

@@ -1,25 +1,44 @@
-"""Settings of speculative_decoding that its config.pbtxt parameters carry and environment
-variables set (specdec/server_config.py): parsed and checked here, in one place, so that a
-bad value is refused before the server starts (server_config) and again when the model loads
-(a config.pbtxt written by hand). Every error names the setting. Pure: no Triton import.
+"""Every setting of the served models, declared once (SETTINGS): its environment variable,
+its config.pbtxt parameter, the models that take it, its default, its parser and what it
+means.
+
+The launcher (specdec/server_config.py, also under docker compose and Kubernetes) parses
+each variable that is set through its declaration, so a bad value is refused before the
+server starts, and writes every declared parameter into the rendered model repository. The
+models read each parameter through it again (`Setting.read`): a missing one is its default
+(a plain tritonserver on model_repository/), a bad one fails the load. Every error starts
+with the setting's name. docs/operations.md's settings table is this list:
+`python -m specdec.serving.settings --markdown` prints it. Pure: no Triton import.
 
 The keys and TLS files that lock Triton's own endpoints (TRITON_INFERENCE_KEY,
-TRITON_ADMIN_KEY, GRPC_SSL_CERT, GRPC_SSL_KEY) are checked here too, before tritonserver
-runs; an error about a key never repeats its value.
+TRITON_ADMIN_KEY, GRPC_SSL_CERT, GRPC_SSL_KEY) are declared here too, with no model: they
+become tritonserver options, checked before it runs by the same loop as the others; an
+error about a key never repeats its value.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import binascii
 import os
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
+
+from specdec.engines.select import DTYPES, ENGINES
+from specdec.loop.config import SchedulerConfig
+from specdec.loop.proposers import REGISTRY
+
+T = TypeVar("T")
 
 # response_thread "auto" turns the outbox's thread on from this many usable cores: on 2 cores
 # the server's work on the responses competes with the engine's threads (docs/benchmarks.md).
 RESPONSE_THREAD_MIN_CORES = 4
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def parse_bool(name: str, value: str) -> bool:
@@ -39,6 +58,88 @@ def parse_count(name: str, value: str, minimum: int) -> int:
     if count < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
     return count
+
+
+def parse_positive(name: str, value: str) -> int:
+    """An integer setting of at least 1 (num_slots)."""
+    return parse_count(name, value, 1)
+
+
+def parse_max_context(name: str, value: str) -> int:
+    """Positions per slot: at least a prompt token and the token it makes."""
+    return parse_count(name, value, 2)
+
+
+def parse_max_queue(name: str, value: str) -> int:
+    """Requests that may wait for a slot; 0: none wait (a request without a slot is refused)."""
+    return parse_count(name, value, 0)
+
+
+def one_of(*choices: str) -> Callable[[str, str], str]:
+    """A parser of a setting that takes one of `choices`."""
+
+    def parse(name: str, value: str) -> str:
+        if value.strip() not in choices:
+            raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+        return value.strip()
+
+    return parse
+
+
+def parse_device(name: str, value: str) -> str:
+    """The torch engine's device: cpu, cuda or cuda:N."""
+    if not DEVICE_PATTERN.fullmatch(value.strip()):
+        raise ValueError(f"{name}: expected cpu, cuda or cuda:N, got {value!r}")
+    return value.strip()
+
+
+def parse_checkpoint(name: str, value: str) -> str:
+    """A checkpoint path (a folder or a .gguf file); relative paths are the project root's."""
+    if not value.strip():
+        raise ValueError(f"{name}: expected a checkpoint path, got {value!r}")
+    return value.strip()
+
+
+def parse_engine_dir(name: str, value: str) -> str:
+    """An exported engine's folder; "" (the default): built on demand under .run/engines."""
+    return value.strip()
+
+
+def parse_default_k(name: str, value: str) -> int | None:
+    """k for requests that send no num_draft_tokens: "adaptive" (None: the controller
+    chooses) or a fixed k >= 0."""
+    if value.strip().lower() == "adaptive":
+        return None
+    try:
+        return parse_count(name, value, 0)
+    except ValueError:
+        raise ValueError(f"{name}: expected adaptive or an integer >= 0, got {value!r}") from None
+
+
+def parse_proposers(name: str, value: str) -> tuple[str, ...]:
+    """Comma-separated proposer names (specdec/loop/proposers/), in order of preference;
+    "": none (no speculation)."""
+    names = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = [part for part in names if part not in REGISTRY]
+    if unknown or len(set(names)) < len(names):
+        raise ValueError(
+            f"{name}: expected distinct names from {', '.join(REGISTRY)}, got {value!r}"
+        )
+    return names
+
+
+def parse_match_lengths(name: str, value: str) -> tuple[int, ...]:
+    """Prompt lookup's match lengths (specdec/loop/proposers/ngram.py): positive integers,
+    longest first ("3,2,1")."""
+    try:
+        lengths = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1 or list(lengths) != sorted(set(lengths), reverse=True):
+        raise ValueError(
+            f"{name}: expected positive integers, longest first (as 3,2,1), got {value!r}"
+        )
+    return lengths
 
 
 def parse_stream_interval(name: str, value: str) -> int:
@@ -165,17 +266,322 @@ def parse_private_key_file(name: str, value: str) -> Path:
     return Path(value)
 
 
-# Environment variables checked before the server starts: variable -> its parser.
-ENV_CHECKS = {
-    "STREAM_INTERVAL": parse_stream_interval,
-    "RESPONSE_THREAD": parse_response_thread,
-    "CUDA_GRAPHS": parse_bool,
-    "CALIBRATION_SECONDS": parse_calibration_seconds,
-    "PREFIX_CACHE": parse_prefix_cache,
-    "PREFIX_MIN_TOKENS": parse_prefix_min_tokens,
-    "PREFILL_CHUNK": parse_prefill_chunk,
-    "TRITON_INFERENCE_KEY": parse_header_key,
-    "TRITON_ADMIN_KEY": parse_header_key,
-    "GRPC_SSL_CERT": parse_certificate_file,
-    "GRPC_SSL_KEY": parse_private_key_file,
-}
+# -- the declarations ------------------------------------------------------------------------
+
+DRAFT_MODEL, TARGET_MODEL = "draft_model", "target_model"
+BLS_MODEL, PREPROCESSING = "speculative_decoding", "preprocessing"
+ENGINE_MODELS = (DRAFT_MODEL, TARGET_MODEL)
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One setting. `default` is its value as config.pbtxt text; `gpu_default` the value
+    docker-compose.yml and deploy/kubernetes/ give it on GPU hosts, where that differs. The
+    access settings have no parameter and no model (key "", default "": unset)."""
+
+    variable: str  # the environment variable
+    key: str  # the config.pbtxt parameter
+    models: tuple[str, ...]  # the models whose config.pbtxt takes it
+    default: str
+    parse: Callable[[str, str], T]  # (name, text) -> value; ValueError "name: ..."
+    doc: str  # one line: what it means
+    gpu_default: str | None = None
+    empty_is_value: bool = False  # "" is a value (no proposers), not "unset"
+
+    def read(self, parameters: Mapping[str, str]) -> T:
+        """Its value among a model's config.pbtxt parameters, the default where missing;
+        a bad one raises ValueError naming the parameter and the variable."""
+        if not self.models:
+            raise TypeError(f"{self.variable} is no model parameter")
+        return self.parse(f"{self.key} ({self.variable})", parameters.get(self.key, self.default))
+
+    def from_env(self, env: Mapping[str, str]) -> str | None:
+        """The variable's text, checked, when it is set (not empty, unless "" is a value)."""
+        text = env.get(self.variable)
+        if text is None or (text == "" and not self.empty_is_value):
+            return None
+        self.parse(self.variable, text)
+        return text
+
+    @property
+    def deployed_default(self) -> str:
+        """What docker-compose.yml and deploy/kubernetes/ should set it to."""
+        return self.default if self.gpu_default is None else self.gpu_default
+
+
+def loop_default(field_name: str) -> str:
+    """SchedulerConfig's default of a field, as config.pbtxt text: the loop owns these."""
+    value = getattr(SchedulerConfig, field_name)
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+TARGET_CHECKPOINT = Setting(
+    "TARGET_CHECKPOINT",
+    "checkpoint",
+    (TARGET_MODEL, PREPROCESSING, BLS_MODEL),
+    "models/smollm2-135m-instruct",
+    parse_checkpoint,
+    "the target: a Hugging Face Llama-family folder or a .gguf file (relative: to the "
+    "project root); the BLS and preprocessing take its tokenizer",
+)
+DRAFT_CHECKPOINT = Setting(
+    "DRAFT_CHECKPOINT",
+    "checkpoint",
+    (DRAFT_MODEL,),
+    "models/smollm2-135m-draft",
+    parse_checkpoint,
+    "the draft, with the target's tokenizer",
+)
+ENGINE = Setting(
+    "ENGINE",
+    "engine",
+    ENGINE_MODELS,
+    "torch",
+    one_of(*ENGINES),
+    "`torch`, `onnxruntime` or `tensorrt` (GPU) (`specdec/engines/select.py`)",
+)
+DEVICE = Setting(
+    "DEVICE",
+    "device",
+    ENGINE_MODELS,
+    "cpu",
+    parse_device,
+    "the torch engine's device: `cpu`, `cuda` or `cuda:N`",
+    gpu_default="cuda",
+)
+DTYPE = Setting(
+    "DTYPE",
+    "dtype",
+    ENGINE_MODELS,
+    "float32",
+    one_of(*DTYPES),
+    "`float32`, `bfloat16`, `float16` (CUDA) or `auto`: bfloat16 where the CPU or GPU has "
+    "it, else float32 (CPU) or float16 (GPU); `make serve` sets `auto`",
+    gpu_default="auto",
+)
+CUDA_GRAPHS = Setting(
+    "CUDA_GRAPHS",
+    "cuda_graphs",
+    ENGINE_MODELS,
+    "false",
+    parse_bool,
+    "`true`: the torch engine on CUDA replays its one-token decode steps as CUDA graphs",
+)
+DRAFT_ENGINE_DIR = Setting(
+    "DRAFT_ENGINE_DIR",
+    "engine_dir",
+    (DRAFT_MODEL,),
+    "",
+    parse_engine_dir,
+    "onnxruntime, tensorrt: the draft's exported graph or plan; empty: built on demand "
+    "under `.run/engines/<checkpoint folder>/` (`make engines` builds them ahead)",
+)
+TARGET_ENGINE_DIR = Setting(
+    "TARGET_ENGINE_DIR",
+    "engine_dir",
+    (TARGET_MODEL,),
+    "",
+    parse_engine_dir,
+    "the same for the target",
+)
+NUM_SLOTS = Setting(
+    "NUM_SLOTS",
+    "num_slots",
+    (*ENGINE_MODELS, BLS_MODEL),
+    "64",
+    parse_positive,
+    "KV-cache slots of each engine: the most sequences running at once",
+)
+MAX_CONTEXT = Setting(
+    "MAX_CONTEXT",
+    "max_context",
+    (*ENGINE_MODELS, BLS_MODEL),
+    "2048",
+    parse_max_context,
+    "positions per slot (prompt + output)",
+)
+PROPOSERS = Setting(
+    "PROPOSERS",
+    "proposers",
+    (BLS_MODEL,),
+    loop_default("proposer_names"),
+    parse_proposers,
+    "where draft tokens come from, in order of preference: `draft_model` (the draft model), "
+    '`ngram` (prompt lookup, no model call); `""`: no speculation',
+    empty_is_value=True,
+)
+DEFAULT_NUM_DRAFT_TOKENS = Setting(
+    "DEFAULT_NUM_DRAFT_TOKENS",
+    "default_num_draft_tokens",
+    (BLS_MODEL,),
+    "adaptive",
+    parse_default_k,
+    "k for requests that send no `num_draft_tokens`: `adaptive` (the goodput controller) or "
+    "a fixed number",
+)
+NGRAM_MATCH_LENGTHS = Setting(
+    "NGRAM_MATCH_LENGTHS",
+    "ngram_match_lengths",
+    (BLS_MODEL,),
+    loop_default("ngram_match_lengths"),
+    parse_match_lengths,
+    "prompt lookup's suffix lengths, tried longest first (a longer match is a surer guess)",
+)
+MAX_QUEUE = Setting(
+    "MAX_QUEUE",
+    "max_queue",
+    (BLS_MODEL,),
+    loop_default("max_queue"),
+    parse_max_queue,
+    "requests waiting for a slot; beyond it a request is refused at once (UNAVAILABLE)",
+)
+PREFIX_CACHE = Setting(
+    "PREFIX_CACHE",
+    "prefix_cache",
+    (BLS_MODEL,),
+    "on",
+    parse_prefix_cache,
+    "`on`: a prompt starts from a cached or running sequence's caches where it shares their "
+    "first tokens; `off`: every prompt is prefilled whole",
+)
+PREFIX_MIN_TOKENS = Setting(
+    "PREFIX_MIN_TOKENS",
+    "prefix_min_tokens",
+    (BLS_MODEL,),
+    loop_default("prefix_min_tokens"),
+    parse_prefix_min_tokens,
+    "the shortest prefix reused, in tokens",
+)
+PREFILL_CHUNK = Setting(
+    "PREFILL_CHUNK",
+    "prefill_chunk",
+    (BLS_MODEL,),
+    loop_default("prefill_chunk"),
+    parse_prefill_chunk,
+    "prompt tokens prefilled per step for prompts longer than this, which join in chunks "
+    "beside the running rows; 0: every prompt prefills whole",
+)
+STREAM_INTERVAL = Setting(
+    "STREAM_INTERVAL",
+    "stream_interval",
+    (BLS_MODEL,),
+    "1",
+    parse_stream_interval,
+    "output tokens a streamed sequence gathers between responses (its first and final "
+    "ones go at once); a request's `stream_interval` input overrides it",
+)
+RESPONSE_THREAD = Setting(
+    "RESPONSE_THREAD",
+    "response_thread",
+    (BLS_MODEL,),
+    "auto",
+    parse_response_thread,
+    "`true`: responses go out on a thread beside the loop; `false`: the loop sends them; "
+    f"`auto`: on with {RESPONSE_THREAD_MIN_CORES} or more usable cores",
+)
+CALIBRATION_SECONDS = Setting(
+    "CALIBRATION_SECONDS",
+    "calibration_seconds",
+    (BLS_MODEL,),
+    "5",
+    parse_calibration_seconds,
+    "seconds spent measuring the engines' costs before the first request; 0: none",
+)
+TRITON_INFERENCE_KEY = Setting(
+    "TRITON_INFERENCE_KEY",
+    "",
+    (),
+    "",
+    parse_header_key,
+    "inference, metadata, model-config and statistics need the header `inference-key` "
+    "(Security, below)",
+)
+TRITON_ADMIN_KEY = Setting(
+    "TRITON_ADMIN_KEY",
+    "",
+    (),
+    "",
+    parse_header_key,
+    "the model-repository, shared-memory, trace and logging APIs need the header `admin-key`",
+)
+GRPC_SSL_CERT = Setting(
+    "GRPC_SSL_CERT",
+    "",
+    (),
+    "",
+    parse_certificate_file,
+    "with `GRPC_SSL_KEY`: gRPC over TLS; a PEM certificate (and its chain)",
+)
+GRPC_SSL_KEY = Setting(
+    "GRPC_SSL_KEY",
+    "",
+    (),
+    "",
+    parse_private_key_file,
+    "the certificate's PEM private key, unencrypted",
+)
+SETTINGS: tuple[Setting, ...] = (
+    TARGET_CHECKPOINT,
+    DRAFT_CHECKPOINT,
+    ENGINE,
+    DEVICE,
+    DTYPE,
+    CUDA_GRAPHS,
+    DRAFT_ENGINE_DIR,
+    TARGET_ENGINE_DIR,
+    NUM_SLOTS,
+    MAX_CONTEXT,
+    PROPOSERS,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    NGRAM_MATCH_LENGTHS,
+    MAX_QUEUE,
+    PREFIX_CACHE,
+    PREFIX_MIN_TOKENS,
+    PREFILL_CHUNK,
+    STREAM_INTERVAL,
+    RESPONSE_THREAD,
+    CALIBRATION_SECONDS,
+    TRITON_INFERENCE_KEY,
+    TRITON_ADMIN_KEY,
+    GRPC_SSL_CERT,
+    GRPC_SSL_KEY,
+)
+BY_VARIABLE = {setting.variable: setting for setting in SETTINGS}
+
+
+def model_settings(model: str) -> list[Setting]:
+    """The settings a model's config.pbtxt takes."""
+    return [setting for setting in SETTINGS if model in setting.models]
+
+
+def markdown_table() -> str:
+    """SETTINGS as docs/operations.md's table."""
+
+    def code(text: str) -> str:
+        return f"`{text}`" if text else '`""`'
+
+    lines = [
+        "| variable | config.pbtxt parameter: models | default | GPU hosts | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for setting in SETTINGS:
+        where, default = "none: a tritonserver option", "unset"
+        if setting.models:
+            where = f"{code(setting.key)}: {', '.join(setting.models)}"
+            default = code(setting.default)
+        gpu = "" if setting.gpu_default is None else code(setting.gpu_default)
+        lines.append(f"| {code(setting.variable)} | {where} | {default} | {gpu} | {setting.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The served models' settings.")
+    parser.add_argument("--markdown", action="store_true", help="print docs/operations.md's table")
+    args = parser.parse_args()
+    if not args.markdown:
+        parser.error("say what to print: --markdown")
+    print(markdown_table(), end="")
+
+
+if __name__ == "__main__":
+    main()

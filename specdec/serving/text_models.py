@@ -6,6 +6,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec.serving.common import model_parameters, read_inputs, resolve_path
+from specdec.serving.settings import TARGET_CHECKPOINT
 from specdec.text.tokenizer import load_tokenizer
 
 
@@ -16,7 +17,8 @@ def _error_response(message: str, code=None):
 
 class Preprocessing:
     def initialize(self, args: dict) -> None:
-        self.tokenizer = load_tokenizer(resolve_path(model_parameters(args)["checkpoint"]))
+        checkpoint = TARGET_CHECKPOINT.read(model_parameters(args))
+        self.tokenizer = load_tokenizer(resolve_path(checkpoint))
 
     def execute(self, requests):
         responses = []

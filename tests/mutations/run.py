@@ -1,8 +1,8 @@
 """Planted bugs the loop's tests must catch.
 
-Each mutant is one edit to a copy of the project (specdec/, tests/, pyproject.toml; the
-models are linked); the tests named for it then run on the copy and must fail. A mutant
-whose tests pass is a bug the suite would let through.
+Each mutant is one edit to a copy of the project (specdec/, tests/, model_repository/,
+pyproject.toml; the models are linked); the tests named for it then run on the copy and must
+fail. A mutant whose tests pass is a bug the suite would let through.
 
     .venv/bin/python tests/mutations/run.py              # every mutant (make mutations)
     .venv/bin/python tests/mutations/run.py --list
@@ -172,11 +172,19 @@ MUTANTS = [
             "tests/test_metric_names.py::test_a_finished_request_counts_under_its_most_truncating_reason",
         ),
     ),
+    Mutant(
+        "setting-not-passed",
+        "the BLS reads NGRAM_MATCH_LENGTHS but leaves the loop its own default",
+        "specdec/serving/bls_model.py",
+        "ngram_match_lengths=settings.NGRAM_MATCH_LENGTHS.read(params),",
+        "ngram_match_lengths=SchedulerConfig.ngram_match_lengths,",
+        tests=("tests/test_settings.py::test_the_bls_builds_its_loop_from_its_settings",),
+    ),
 ]
 
 
 def copy_project(into: Path) -> None:
-    for name in ("specdec", "tests"):
+    for name in ("specdec", "tests", "model_repository"):
         shutil.copytree(
             PROJECT_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__")
         )
