@@ -481,7 +481,7 @@ def test_openai_api_calls_the_gateway(rendered):
     documents = rendered["base"]
     (api,) = pod_spec(documents, "specdec-openai")["containers"]
     assert api["command"][-1] == "specdec.openai_api"
-    assert (PROJECT_ROOT / "specdec" / "openai_api.py").exists()
+    assert (PROJECT_ROOT / "specdec" / "openai_api" / "__main__.py").exists()
     env = plain_env(api)
     gateway = find(documents, "Service", "specdec")
     assert env["TRITON_HOST"] == gateway["metadata"]["name"]

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API (specdec/openai_api.py) against the real server, through the
+"""The OpenAI-compatible API (specdec/openai_api/app.py) against the real server, through the
 official `openai` package and genai-perf's chat endpoint type."""
 
 from __future__ import annotations

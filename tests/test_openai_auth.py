@@ -1,5 +1,5 @@
 """Access control of the OpenAI-compatible API: API keys and the per-key limit
-(specdec/openai_auth.py, the KeyGate in specdec/openai_api.py), Triton's inference key and
+(specdec/openai_api/auth.py, the KeyGate in specdec/openai_api/app.py), Triton's inference key and
 TLS settings passed through to every gRPC call, and start-up refusals of settings that
 cannot work. The pure logic and the glue run without a server; the rest against the real
 one through the `openai` package."""
@@ -23,8 +23,9 @@ from fastapi.testclient import TestClient
 from tls import make_ca, require_openssl
 
 from live import openai_api_process, scrape, wait_for
-from specdec import openai_api, openai_auth
-from specdec.openai_auth import ApiKeys, InFlight, SettingError, bearer_token
+from specdec.openai_api import app as openai_api
+from specdec.openai_api import auth as openai_auth
+from specdec.openai_api.auth import ApiKeys, InFlight, SettingError, bearer_token
 from specdec.processes import free_port
 from specdec.triton_access import SESSION_HEADER, TritonAccess
 from test_openai_api import MODEL
@@ -88,6 +89,13 @@ def test_max_concurrent_per_key(text, num_keys, expected):
 def test_a_bad_max_concurrent_per_key_is_refused(text):
     with pytest.raises(SettingError, match="^MAX_CONCURRENT_PER_KEY: "):
         openai_auth.max_concurrent_from_env({"MAX_CONCURRENT_PER_KEY": text}, 1)
+
+
+@pytest.mark.parametrize(("name", "text"), [("OPENAI_PORT", "abc"), ("GRPC_PORT", "0")])
+def test_a_bad_port_is_refused_naming_it(name, text):
+    with pytest.raises(SettingError, match=f"^{name}: expected a port number"):
+        openai_api.ApiConfig.from_env({name: text})
+    assert openai_api.ApiConfig.from_env({}).triton_url == "127.0.0.1:8001"
 
 
 def test_max_concurrent_per_key_needs_keys():

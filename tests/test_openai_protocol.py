@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from specdec.openai_protocol import (
+from specdec.openai_api.protocol import (
     ChatCompletionRequest,
     Choice,
     CompletionRequest,

@@ -1,4 +1,4 @@
-"""Who may use the OpenAI-compatible API (specdec/openai_api.py): API keys, and how many
+"""Who may use the OpenAI-compatible API (specdec/openai_api/app.py): API keys, and how many
 requests each key may have in flight. Pure: no server, no framework (docs/openai.md, "API
 keys and limits").
 

@@ -5,7 +5,7 @@
 
 Environment: OPENAI_HOST (127.0.0.1), OPENAI_PORT (9000), TRITON_HOST (127.0.0.1), GRPC_PORT
 (Triton's, 8001), OPENAI_MODEL_NAME (default: the target checkpoint's folder name); API keys
-and the per-key limit as specdec/openai_auth.py reads them; Triton's inference key and TLS
+and the per-key limit as specdec/openai_api/auth.py reads them; Triton's inference key and TLS
 root certificate as specdec/triton_access.py reads them. A setting that cannot work stops
 the start with one line naming it, before any contact with Triton.
 
@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.client import build_inputs, requested_outputs
-from specdec.openai_auth import (
+from specdec.openai_api.auth import (
     MISSING_KEY_MESSAGE,
     WRONG_KEY_MESSAGE,
     ApiKeys,
@@ -48,7 +48,7 @@ from specdec.openai_auth import (
     bearer_token,
     rate_limit_message,
 )
-from specdec.openai_protocol import (
+from specdec.openai_api.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ApiError,
     ChatCompletionRequest,
@@ -85,14 +85,28 @@ class ApiConfig:
         """Raises SettingError or AccessError (naming the variable) for a setting that
         cannot work."""
         env = dict(os.environ if env is None else env)
+        port, grpc_port = (_port(env, name, default) for name, default in PORTS)
         return cls(
             host=env.get("OPENAI_HOST", "127.0.0.1"),
-            port=int(env.get("OPENAI_PORT", 9000)),
-            triton_url=f"{env.get('TRITON_HOST', '127.0.0.1')}:{env.get('GRPC_PORT', 8001)}",
+            port=port,
+            triton_url=f"{env.get('TRITON_HOST', '127.0.0.1')}:{grpc_port}",
             model_name=env.get("OPENAI_MODEL_NAME") or None,
             keys=ApiKeys.from_env(env),
             access=TritonAccess.from_env(env),
         )
+
+
+PORTS = (("OPENAI_PORT", 9000), ("GRPC_PORT", 8001))  # its own, and Triton's gRPC
+
+
+def _port(env: dict[str, str], name: str, default: int) -> int:
+    try:
+        port = int(env.get(name) or default)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise SettingError(f"{name}: expected a port number (1-65535), got {env[name]!r}")
+    return port
 
 
 class Backend:

@@ -1,4 +1,4 @@
-"""OpenAI's completions and chat completions, as specdec/openai_api.py serves them: request
+"""OpenAI's completions and chat completions, as specdec/openai_api/app.py serves them: request
 models, errors, stop sequences and the response objects, with no server and no Triton here.
 
 Request models forbid unknown fields: a field this server does not implement is refused by
