@@ -110,8 +110,9 @@ class ResponseSender(Protocol):
 
 
 @dataclass
-class Client:
-    """One Triton request: its sender, and the sequences that answer on it."""
+class OpenRequest:
+    """A client request the BLS has taken and not yet ended: its sender, and the sequences
+    that answer on it."""
 
     request: TritonRequest
     sender: ResponseSender
@@ -168,15 +169,15 @@ class TritonPythonModel:
         self.metrics = LoopMetrics(
             args["model_name"], self.config.max_draft_tokens, self.config.num_slots
         )
-        # Sequence id -> its request's Client; guarded by self.lock with the scheduler.
-        self.clients: dict[int, Client] = {}
+        # Sequence id -> its request's OpenRequest; guarded by self.lock with the scheduler.
+        self.open_requests: dict[int, OpenRequest] = {}
         self.lock = threading.Condition()
         self.stopping = False
         # Waiting requests, in the order their turn comes to be asked about cancellation
         # (_mark_cancelled); guarded by self.lock.
-        self.cancel_ring = CancelRing[Client](lambda client: client.waiting)
+        self.cancel_ring = CancelRing[OpenRequest](lambda open_request: open_request.waiting)
         # Running requests, likewise (a request joins when first seen running).
-        self.running_turns = RunningTurns[Client](lambda client: not client.ended)
+        self.running_turns = RunningTurns[OpenRequest](lambda open_request: not open_request.ended)
         # What the loop has to send since its last hand-over to the outbox (loop thread).
         self.work: list[Work] = []
         pb_utils.Logger.log_info(
@@ -243,11 +244,13 @@ class TritonPythonModel:
                     if self.stopping:
                         raise QueueFull("server is shutting down")
                     sequences = self.scheduler.submit_all(generations)
-                    client = Client(request, sender, requested_outputs(request), len(sequences))
-                    client.sequences = sequences
+                    open_request = OpenRequest(
+                        request, sender, requested_outputs(request), len(sequences)
+                    )
+                    open_request.sequences = sequences
                     for sequence in sequences:
-                        self.clients[sequence.id] = client
-                    self.cancel_ring.add(client)
+                        self.open_requests[sequence.id] = open_request
+                    self.cancel_ring.add(open_request)
                     self.lock.notify()
             except InvalidInput as error:
                 self._refuse(sender, "invalid", str(error), pb_utils.TritonError.INVALID_ARG)
@@ -353,54 +356,56 @@ class TritonPythonModel:
         every iteration); with Q waiting, each at least once every
         ceil(Q / WAITING_CANCEL_CHECKS) iterations (1,024 waiting: 64), and at every
         iteration once it is about to get a slot, so a cancelled request never starts."""
-        candidates = [self.clients.get(s.id) for s in snapshot.next_admitted]
+        candidates = [self.open_requests.get(s.id) for s in snapshot.next_admitted]
         self.running_turns.see(
-            client
-            for client in (self.clients.get(s.id) for s in snapshot.running)
-            if client is not None
+            open_request
+            for open_request in (self.open_requests.get(s.id) for s in snapshot.running)
+            if open_request is not None
         )
         candidates += self.running_turns.take(RUNNING_CANCEL_CHECKS)
         candidates += self.cancel_ring.take(WAITING_CANCEL_CHECKS)
         checked = set()
-        for client in candidates:
-            if client is None or client.ended or id(client) in checked:
+        for open_request in candidates:
+            if open_request is None or open_request.ended or id(open_request) in checked:
                 continue
-            checked.add(id(client))
-            if client.request.is_cancelled():
-                members = [m for m in client.sequences if m.id in self.clients]
+            checked.add(id(open_request))
+            if open_request.request.is_cancelled():
+                members = [m for m in open_request.sequences if m.id in self.open_requests]
                 for member in members:
                     self.scheduler.cancel(member)
-                self._end_client(
-                    client, "cancelled", "request cancelled", pb_utils.TritonError.CANCELLED
+                self._end_request(
+                    open_request, "cancelled", "request cancelled", pb_utils.TritonError.CANCELLED
                 )
 
     def _end(self, sequence: SequenceState, outcome: str, message: str, code=None) -> None:
         """Ends the sequence's request with an error (once), and with it its other sequences."""
-        client = self.clients.get(sequence.id)
-        if client is not None:
-            self._end_client(client, outcome, message, code)
+        open_request = self.open_requests.get(sequence.id)
+        if open_request is not None:
+            self._end_request(open_request, outcome, message, code)
 
-    def _end_client(self, client: Client, outcome: str, message: str, code=None) -> None:
+    def _end_request(
+        self, open_request: OpenRequest, outcome: str, message: str, code=None
+    ) -> None:
         """Ends a request with an error (once), every sequence of it; counts the request and
         its sequences still open under `outcome` (those that finished were counted then)."""
-        if client.ended:
+        if open_request.ended:
             return
-        client.ended = True
+        open_request.ended = True
         self.metrics.request_ended(outcome)
-        self.metrics.sequences_ended(outcome, client.num_open)
-        for member in client.sequences:
-            self.clients.pop(member.id, None)
-        self.work.append(self._error_sender(client.sender, message, code))
+        self.metrics.sequences_ended(outcome, open_request.num_open)
+        for member in open_request.sequences:
+            self.open_requests.pop(member.id, None)
+        self.work.append(self._error_sender(open_request.sender, message, code))
 
     def _respond(self, update: Update) -> None:
         sequence = update.sequence
-        client = self.clients.get(sequence.id)
-        if client is None:
+        open_request = self.open_requests.get(sequence.id)
+        if open_request is None:
             return  # ended already
         text: str | None = update.text
         request = sequence.request
         if request.stream and request.stream_interval > 1:
-            text = client.hold.take(
+            text = open_request.hold.take(
                 sequence.id,
                 update.text,
                 sequence.num_output_tokens,
@@ -414,23 +419,23 @@ class TritonPythonModel:
         # The ensemble's text too: a step after this one would be refused once the server
         # stops, and Triton 2.51's ensemble then never ends the stream (ensemble config).
         arrays = response_arrays(
-            sequence, text, client.sent_log_probs.get(sequence.id, 0), client.requested
+            sequence, text, open_request.sent_log_probs.get(sequence.id, 0), open_request.requested
         )
-        client.sent_log_probs[sequence.id] = len(sequence.output_log_probs)
+        open_request.sent_log_probs[sequence.id] = len(sequence.output_log_probs)
         flags = 0
         if update.finished:
-            del self.clients[sequence.id]
-            client.num_open -= 1
+            del self.open_requests[sequence.id]
+            open_request.num_open -= 1
             assert sequence.finish_reason is not None  # update.finished
             self.metrics.sequences_ended(sequence.finish_reason)
-            if client.num_open == 0:
-                client.ended = True
+            if open_request.num_open == 0:
+                open_request.ended = True
                 flags = FINAL
-                reasons = (member.finish_reason for member in client.sequences)
+                reasons = (member.finish_reason for member in open_request.sequences)
                 self.metrics.request_ended(request_outcome(reasons))
         tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
         response = pb_utils.InferenceResponse(output_tensors=tensors)
-        self.work.append(functools.partial(client.sender.send, response, flags=flags))
+        self.work.append(functools.partial(open_request.sender.send, response, flags=flags))
 
     def finalize(self) -> None:
         with self.lock:
