@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.engines.calls import run_draft, run_target
 from specdec.engines.engine import check_rows
-from specdec.engines.in_process import run_draft, run_target
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.sampling import RowSampling, probs_from_logits
 from specdec.engines.wire import EngineBatch, hindsight_lengths

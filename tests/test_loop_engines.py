@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from build.local_engines import LocalEngines
 from conftest import DRAFT
 from specdec.engines.coupling import perturbed_scores
 from specdec.engines.greedy_parity import TIE_MARGIN, token_divergences
-from specdec.engines.in_process import LocalEngines
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.wire import EngineBatch, EngineResult
 from specdec.loop.config import SchedulerConfig

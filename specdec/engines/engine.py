@@ -13,8 +13,8 @@ device: row r's last num_logits[r] positions, rows in order, over the whole voca
 least one token, fits max_length, and asks for 1 to input_lengths[r] logits (check_rows).
 
 Engines: LlamaEngine (torch, llama.py), OnnxEngine and TrtEngine over GraphEngine
-(onnx_engine.py, trt_engine.py). select.create_engine picks one by name; in_process.py
-runs the wire format's calls on any of them.
+(onnx_engine.py, trt_engine.py). select.create_engine picks one by name; calls.py runs the
+wire format's calls on any of them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MAX_BATCHED_QUERY = 16  # rows with more new tokens than this run (attend) one b
 
 
 class Engine(Protocol):
-    """What the callers use of an engine: in_process.py, the engine models, build/ and tests/.
+    """What the callers use of an engine: calls.py, the engine models, build/ and tests/.
     mypy checks each engine against it where select.create_engine returns one."""
 
     config: LlamaConfig  # the decoder's dimensions; config.vocab_size is the logits' V

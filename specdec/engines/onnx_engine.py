@@ -1,7 +1,7 @@
 """Engines that run an exported decoder graph (specdec/engines/onnx_export.py) over a slot KV cache.
 
 `GraphEngine` is an Engine (specdec/engines/engine.py), as `LlamaEngine` is, so
-specdec/engines/in_process.py drives any of them. It owns the cache (torch tensors, on the
+specdec/engines/calls.py drives any of them. It owns the cache (torch tensors, on the
 CPU for onnxruntime, on the GPU for TensorRT), and per call:
 1. groups the packed rows: short rows (decode, verify) share one padded call; long rows
    (prefill) run one by one, so a prompt does not pad every other row to its length;

@@ -1,7 +1,7 @@
 """Planted bugs the loop's tests must catch.
 
-Each mutant is one edit to a copy of the project (specdec/, tests/, pyproject.toml; the
-models are linked); the tests named for it then run on the copy and must fail. A mutant
+Each mutant is one edit to a copy of the project (specdec/, build/, tests/, pyproject.toml;
+the models are linked); the tests named for it then run on the copy and must fail. A mutant
 whose tests pass is a bug the suite would let through.
 
     .venv/bin/python tests/mutations/run.py              # every mutant (make mutations)
@@ -62,7 +62,7 @@ MUTANTS = [
     Mutant(
         "target-noise-position",
         "the target keys a token's noise by the position before it (the draft does not)",
-        "specdec/engines/in_process.py",
+        "specdec/engines/calls.py",
         "fed[rows] + steps + 1, True)",
         "fed[rows] + steps, True)",
         tests=(*REAL,),
@@ -108,7 +108,7 @@ MUTANTS = [
 
 
 def copy_project(into: Path) -> None:
-    for name in ("specdec", "tests"):
+    for name in ("specdec", "build", "tests"):  # tests import build/'s tools
         shutil.copytree(
             PROJECT_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__")
         )

@@ -1,7 +1,7 @@
-"""Engine calls run in this process: the work behind the wire format (specdec/engines/wire.py)
-for one Engine (torch, onnxruntime or TensorRT; engine.py). The engine models run these behind
-Triton (specdec/serving/engine_model.py); `LocalEngines` gives the loop both engines with no
-Triton in between (unit tests, offline tools)."""
+"""An engine call's work: the wire format in (specdec/engines/wire.py), tokens out, on any
+Engine (torch, onnxruntime or TensorRT; specdec/engines/engine.py). The engine models run
+these behind Triton (specdec/serving/engine_model.py); build/local_engines.py runs them with
+no Triton in between (unit tests, offline tools)."""
 
 from __future__ import annotations
 
@@ -144,17 +144,3 @@ def _hindsight_hits(
         ]
         hits[r] = int(sum(1 << j for j in np.nonzero(guessed == fed)[0]))
     return hits
-
-
-class LocalEngines:
-    """Both engines in this process (unit tests, offline checks): no Triton in between."""
-
-    def __init__(self, draft_engine: Engine, target_engine: Engine) -> None:
-        self.draft_engine = draft_engine
-        self.target_engine = target_engine
-
-    def draft(self, batch: EngineBatch) -> EngineResult:
-        return run_draft(self.draft_engine, batch)
-
-    def target(self, batch: EngineBatch) -> EngineResult:
-        return run_target(self.target_engine, batch)
