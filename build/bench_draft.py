@@ -128,7 +128,7 @@ def served(config: DraftBenchConfig, prompts: list[str]) -> dict[str, Tally]:
 def transformers_generate(config: DraftBenchConfig, prompts: list[str]) -> dict[str, Tally]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.engines.hf_draft import load_hf_draft
+    from build.hf_draft import load_hf_draft
 
     tokenizer = AutoTokenizer.from_pretrained(str(config.target))
     target = AutoModelForCausalLM.from_pretrained(str(config.target), dtype=torch.float32)

@@ -17,7 +17,7 @@ Each step is recorded with its outcome; a failed step does not stop the next one
    the server with ENGINE=tensorrt.
 Steps 4 and 5 serve k = 0, k = 4 and adaptive to one stream, and k = 0 and adaptive to each
 level of --streams (output tokens/s of each), and hold every greedy text to the reference by
-the tie-aware rule (specdec/engines/greedy_parity.py): a text may leave the reference only where the
+the tie-aware rule (build/greedy_parity.py): a text may leave the reference only where the
 reference's top-2 logits lie within --tie-margin; a divergence anywhere else fails the step.
 The exit status is 0 when every step that ran passed.
 """
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.engines.greedy_parity import TIE_MARGIN
+from build.greedy_parity import TIE_MARGIN
 from specdec.paths import PROJECT_ROOT
 
 MODES = {"k0": 0, "k4": 4, "adaptive": None}  # num_draft_tokens; None = the server's choice
@@ -92,7 +92,7 @@ def load_prompts(config: GpuCheckConfig) -> list[str]:
 
 def reference_paths(config: GpuCheckConfig, tokenizer, prompts: list[str]) -> list:
     """The CPU float32 reference: per prompt, greedy token ids and their top-2 logit gaps."""
-    from specdec.engines.greedy_parity import greedy_path
+    from build.greedy_parity import greedy_path
     from specdec.engines.llama import LlamaEngine
 
     engine = LlamaEngine.from_checkpoint(config.target, 1, config.max_context)
@@ -137,7 +137,7 @@ def measure(url: str, prompts: list[str], k: int | None, max_tokens: int, stream
 def parity(reference, texts: list[str], margin: float) -> dict:
     """Texts against the reference by the tie-aware rule: the near ties they part at, and
     the divergences outside the margin (bugs)."""
-    from specdec.engines.greedy_parity import find_divergences
+    from build.greedy_parity import find_divergences
 
     tokenizer, paths = reference
     found = find_divergences(tokenizer.decode, paths, texts, tokenizer.eos_token_id)

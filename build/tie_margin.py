@@ -1,4 +1,4 @@
-"""Measures the tie margins of the bfloat16 contract (specdec/engines/greedy_parity.py).
+"""Measures the tie margins of the bfloat16 contract (build/greedy_parity.py).
 
     .venv/bin/python -m build.tie_margin        # results/tie_margin.{json,md}, ~20 min on 2 cores
 
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.engines import greedy_parity
-from specdec.engines.greedy_parity import GapMove, gap_moves, greedy_top2, precision_moves
+from build import greedy_parity
+from build.greedy_parity import GapMove, gap_moves, greedy_top2, precision_moves
 from specdec.paths import PROJECT_ROOT
 
 # The bfloat16 server test's prompts (tests/test_bfloat16_server.py): chat, arithmetic,

@@ -27,14 +27,14 @@ import torch
 import tritonclient.grpc as grpcclient
 
 import specdec.harness
-from build.tie_margin import PROMPTS
-from specdec.client import build_inputs, scrape_metrics
-from specdec.engines.greedy_parity import (
+from build.greedy_parity import (
     TIE_MARGIN,
     Divergence,
     SingleSteps,
     token_divergences,
 )
+from build.tie_margin import PROMPTS
+from specdec.client import build_inputs, scrape_metrics
 from specdec.engines.llama import LlamaEngine
 from specdec.harness import ManagedServer
 from specdec.paths import PROJECT_ROOT

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from build.greedy_parity import TIE_MARGIN
 from conftest import TARGET
-from specdec.engines.greedy_parity import TIE_MARGIN
 from specdec.engines.llama import DecodeSteps, LlamaEngine, keys_bucket, rows_bucket
 
 HAS_GPU = torch.cuda.is_available()

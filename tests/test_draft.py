@@ -101,7 +101,7 @@ def test_coupled_sampling_with_the_real_draft_reproduces_the_target(draft_engine
 
 
 def test_transformers_wrapper_matches_the_engine(draft_engine):
-    from specdec.engines.hf_draft import load_hf_draft
+    from build.hf_draft import load_hf_draft
 
     model = load_hf_draft(DRAFT)
     ids = [1, 504, 3575, 282, 4649, 314]

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engines.in_process import run_draft, run_target
+from specdec.engines.calls import run_draft, run_target
+from specdec.engines.engine import check_rows
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.sampling import RowSampling, probs_from_logits
 from specdec.engines.wire import EngineBatch, hindsight_lengths
@@ -206,6 +207,31 @@ def test_unwritten_cache_memory_never_reaches_the_logits(target_dir, monkeypatch
     engine.forward(torch.arange(10, 22), [9, 3], [0, 3], [0, 0], [1, 1])
     logits = engine.forward(torch.tensor([5, 6]), [1, 1], [0, 3], [9, 3], [1, 1])
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    ("input_lengths", "cache_lengths", "num_logits", "fits"),
+    [
+        ([3], [0], [1], True),
+        ([3, 2], [5, 6], [3, 2], True),  # both end at max_length
+        ([3, 3], [0, 6], [1, 1], False),  # the second row ends past it
+        ([0], [0], [0], False),  # no new tokens
+        ([3], [0], [0], False),  # no logits
+        ([3], [0], [4], False),  # logits of a position the row does not add
+    ],
+)
+def test_a_row_that_does_not_fit_is_refused(input_lengths, cache_lengths, num_logits, fits):
+    """Every engine checks its rows with check_rows (max_length 8 here)."""
+    if fits:
+        check_rows(input_lengths, cache_lengths, num_logits, 8)
+        return
+    with pytest.raises(ValueError, match="does not fit max_length 8"):
+        check_rows(input_lengths, cache_lengths, num_logits, 8)
+
+
+def test_the_torch_engine_refuses_a_row_past_max_length(engine):
+    with pytest.raises(ValueError, match=r"row of 3 new tokens after 126 cached positions"):
+        engine.forward(torch.arange(3), [3], [0], [126], [1])
 
 
 def test_draft_guesses_its_fed_tokens_and_may_propose_none(engine):

@@ -11,7 +11,7 @@ import pytest
 
 import build.gpu_check as gpu_check
 from build.gpu_check import parity, parse_args, run, serve, step
-from specdec.engines.greedy_parity import TIE_MARGIN
+from build.greedy_parity import TIE_MARGIN
 
 
 def test_dry_run_writes_a_report_without_starting_a_server(tmp_path):

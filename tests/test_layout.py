@@ -103,5 +103,5 @@ def test_the_loop_loads_no_decoder():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout.split()
     assert "specdec.loop.scheduler" in loaded  # the walk found the loop's modules
-    decoders = ("specdec.engines.llama", "specdec.engines.in_process", "onnxruntime", "tensorrt")
+    decoders = ("specdec.engines.llama", "specdec.engines.calls", "onnxruntime", "tensorrt")
     assert not [m for m in loaded if m.split(".")[0] in decoders or m in decoders]

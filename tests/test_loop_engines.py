@@ -6,7 +6,7 @@ token per call (greedy) or the target's own support at each prefix (sampled, top
 
 float32 is exact: greedy output equals the target's one-token-per-call path, token for
 token, ends included. bfloat16 may part from it only at near-ties (the precision contract,
-specdec/engines/greedy_parity.py). tests/mutations/run.py plants the bugs these tests must
+build/greedy_parity.py). tests/mutations/run.py plants the bugs these tests must
 catch.
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from build.greedy_parity import TIE_MARGIN, token_divergences
+from build.local_engines import LocalEngines
 from conftest import DRAFT
 from specdec.engines.coupling import perturbed_scores
-from specdec.engines.greedy_parity import TIE_MARGIN, token_divergences
-from specdec.engines.in_process import LocalEngines
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.wire import EngineBatch, EngineResult
 from specdec.loop.config import SchedulerConfig

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from build.tie_margin import PROMPTS
-from conftest import DRAFT
-from specdec.engines.greedy_parity import (
+from build.greedy_parity import (
     MARGINS,
     MEASURED_PRECISION_MOVE,
     MEASURED_VERIFY_MOVE,
@@ -23,6 +21,8 @@ from specdec.engines.greedy_parity import (
     token_divergences,
     verify_chunks,
 )
+from build.tie_margin import PROMPTS
+from conftest import DRAFT
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.select import create_engine, engine_dtype, resolve_dtype
 from specdec.server_config import ServerConfig, render_repository

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import DRAFT, TARGET
-from specdec.engines.in_process import run_draft, run_target
+from specdec.engines.calls import run_draft, run_target
 from specdec.engines.llama import LlamaConfig, LlamaEngine
 from specdec.engines.onnx_engine import OnnxEngine, group_rows, manifest_config, pad_rows
 from specdec.engines.onnx_export import (

@@ -1,4 +1,4 @@
-"""Llama-family decoder over a slot-addressed static KV cache: the `torch` engine.
+"""Llama-family decoder over a slot-addressed static KV cache: the `torch` Engine (engine.py).
 
 The engine keeps one cache for many sequences. A sequence is addressed by its slot and by
 how many positions of that slot are valid (`cache_lengths`); new tokens are written right
@@ -30,22 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.engines.engine import MAX_BATCHED_QUERY, SlotCache, check_rows, full_vocabulary
+
 ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A KV cache that reads as zero where nothing was written yet.
-
-    Batched attention reads never-written positions (slots in the call's slot range that are
-    not in the call, positions past a short row) and masks them; a masked NaN still poisons
-    the softmax, so the cache must not start as whatever the allocator hands back. On CPU
-    the zeros come from calloc, whose large blocks are fresh pages: memory still follows use.
-    """
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8))
-    return raw.view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -151,7 +138,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 HEAD_TOKEN_IDS = "draft.head_token_ids"  # optional weight: (head size,) token ids
-MAX_BATCHED_QUERY = 16  # rows with more new tokens than this attend one by one
 # A width's rows read their slot range through a view where they fill at least this share of
 # it; sparser rows read a gathered copy of their own slots. The masked slots of a view cost
 # what real ones do, and a copy costs about what a quarter more slots do (in process, 2 cores,
@@ -207,14 +193,7 @@ class AttentionPlan:
     looped: list[tuple[int, int, int, int]]  # rows alone: (slot, cache length, start, end)
 
 
-def copy_cache_prefix(caches, src: int, dst: int, length: int) -> None:
-    """Copies the first `length` positions of slot `src` into slot `dst` in each cache laid
-    out (layers, slots, heads, positions, ...), as every engine of this package keeps it."""
-    for cache in caches:
-        cache[:, dst, :, :length] = cache[:, src, :, :length]
-
-
-class LlamaEngine:
+class LlamaEngine(SlotCache):
     """A Llama decoder whose KV cache holds `num_slots` sequences of `max_length` positions."""
 
     def __init__(
@@ -259,20 +238,16 @@ class LlamaEngine:
             self.lm_head if config.tie_word_embeddings else matrix("model.embed_tokens.weight")
         )
         self.rescored_logits = RESCORED_LOGITS
-        # A draft may score only a subset of the vocabulary (its head's rows are these token
-        # ids); every other token gets probability 0, which keeps sampling exact.
+        # A draft's head may score a subset of the vocabulary: these token ids (full_vocabulary)
         self.head_token_ids = weights.get(HEAD_TOKEN_IDS)
         if self.head_token_ids is not None:
             self.head_token_ids = self.head_token_ids.to(self.device).long()
         self.final_norm = vector("model.norm.weight")
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
-        c = config
         # One spare position past max_length: the padding rows of a CUDA graph's decode step
         # write their keys and values there (DecodeSteps); nothing ever reads it.
-        shape = (c.num_layers, num_slots, c.num_kv_heads, max_length + 1, c.head_dim)
-        self.k_cache = zeroed_cache(shape, dtype, self.device)
-        self.v_cache = zeroed_cache(shape, dtype, self.device)
-        self.inv_freq = rope_inv_freq(c).to(self.device)
+        super().__init__(config, num_slots, max_length + 1, dtype, self.device)
+        self.inv_freq = rope_inv_freq(config).to(self.device)
         self.decode_steps = DecodeSteps(self) if cuda_graphs else None
 
     def _layer(self, weights: dict[str, torch.Tensor], i: int) -> LayerWeights:
@@ -443,9 +418,6 @@ class LlamaEngine:
         exact = torch.bmm(rows, h[:, :, None])[:, :, 0]  # (M, R)
         return logits.scatter_(1, top, exact)
 
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        copy_cache_prefix((self.k_cache, self.v_cache), src, dst, length)
-
     @torch.inference_mode()
     def forward(
         self,
@@ -456,12 +428,7 @@ class LlamaEngine:
         num_logits: list[int],  # (B,) trailing positions per row that need logits
     ) -> torch.Tensor:
         """Appends the rows' tokens to their slots; returns (sum(num_logits), V) logits."""
-        for length, cache_length in zip(input_lengths, cache_lengths, strict=True):
-            if length <= 0 or cache_length + length > self.max_length:
-                raise ValueError(
-                    f"row of {length} new tokens after {cache_length} cached positions does "
-                    f"not fit max_length {self.max_length}"
-                )
+        check_rows(input_lengths, cache_lengths, num_logits, self.max_length)
         if self.decode_steps is not None and self.decode_steps.fits(input_lengths, num_logits):
             return self.decode_steps.run(input_ids, slot_ids, cache_lengths)
         lengths = np.asarray(input_lengths, dtype=np.int64)
@@ -547,11 +514,7 @@ class LlamaEngine:
 
         h = rms_norm(x if picks is None else x[picks], self.final_norm, c.rms_norm_eps)
         logits = self.head_logits(h)  # (M, V or head size)
-        if self.head_token_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], c.vocab_size), float("-inf"))
-        full[:, self.head_token_ids] = logits
-        return full  # (M, V)
+        return full_vocabulary(logits, self.head_token_ids, c.vocab_size)  # (M, V)
 
 
 def rows_bucket(rows: int, num_slots: int) -> int:

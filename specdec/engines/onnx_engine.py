@@ -1,7 +1,7 @@
 """Engines that run an exported decoder graph (specdec/engines/onnx_export.py) over a slot KV cache.
 
-`GraphEngine` has `LlamaEngine`'s surface (`forward`, `config`, `num_slots`, `max_length`),
-so specdec/engines/in_process.py drives any of them. It owns the cache (torch tensors, on the
+`GraphEngine` is an Engine (specdec/engines/engine.py), as `LlamaEngine` is, so
+specdec/engines/calls.py drives any of them. It owns the cache (torch tensors, on the
 CPU for onnxruntime, on the GPU for TensorRT), and per call:
 1. groups the packed rows: short rows (decode, verify) share one padded call; long rows
    (prefill) run one by one, so a prompt does not pad every other row to its length;
@@ -24,10 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdec.engines.llama import LlamaConfig, copy_cache_prefix, zeroed_cache
+from specdec.engines.engine import MAX_BATCHED_QUERY, SlotCache, check_rows, full_vocabulary
+from specdec.engines.llama import LlamaConfig
 from specdec.engines.onnx_export import DTYPES, input_names, read_manifest
-
-MAX_BATCHED_QUERY = 16  # rows with more new tokens than this run alone (as in llama.py)
 
 
 @dataclass
@@ -78,7 +77,7 @@ def pad_rows(rows, tokens, cache_lengths, num_logits) -> PaddedCall:
     )
 
 
-class GraphEngine:
+class GraphEngine(SlotCache):
     """The slot cache and the padding around a graph; subclasses provide `_run`."""
 
     def __init__(
@@ -95,21 +94,13 @@ class GraphEngine:
         self.max_length = max_length
         self.device = torch.device(device)
         self.head_token_ids = None if head_token_ids is None else head_token_ids.to(self.device)
-        c = config
-        # Zeroed (on the CPU by calloc: pages are touched only when written), so a gathered
-        # position the call masks (past a short row, never written) is finite: a masked NaN
-        # would still reach the logits through attention's weighted sum (0 * NaN).
-        shape = (c.num_layers, num_slots, c.num_kv_heads, max_length, c.head_dim)
-        self.k_cache = zeroed_cache(shape, cache_dtype, self.device)
-        self.v_cache = zeroed_cache(shape, cache_dtype, self.device)
-        self.names = input_names(c.num_layers)
+        # Zeroed: a gathered position the call masks (past a short row) is finite.
+        super().__init__(config, num_slots, max_length, cache_dtype, self.device)
+        self.names = input_names(config.num_layers)
 
     def _run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Runs the graph: [logits (b, L, head), new_key.0, new_value.0, ...]."""
         raise NotImplementedError
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        copy_cache_prefix((self.k_cache, self.v_cache), src, dst, length)
 
     @torch.inference_mode()
     def forward(
@@ -122,12 +113,7 @@ class GraphEngine:
     ) -> torch.Tensor:
         """Appends the rows' tokens to their slots; returns (sum(num_logits), V) float32 logits
         on the engine's device (the graph's output where it can: see picked_logits)."""
-        for length, cached, wanted in zip(input_lengths, cache_lengths, num_logits, strict=True):
-            if length <= 0 or cached + length > self.max_length or not 0 < wanted <= length:
-                raise ValueError(
-                    f"row of {length} new tokens after {cached} cached positions "
-                    f"({wanted} logits) does not fit max_length {self.max_length}"
-                )
+        check_rows(input_lengths, cache_lengths, num_logits, self.max_length)
         tokens = torch.split(input_ids.cpu(), input_lengths)
         groups = group_rows(input_lengths)
         per_row: dict[int, torch.Tensor] = {}  # row -> its (num_logits[row], head) logits
@@ -175,12 +161,8 @@ class GraphEngine:
                 cache[li][token_slots, :, positions] = packed.to(cache.dtype)
 
     def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        """A reduced head's logits spread over the vocabulary, -inf elsewhere (as llama.py)."""
-        if self.head_token_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        full[:, self.head_token_ids] = logits
-        return full  # (sum(num_logits), V)
+        """(sum(num_logits), V): a reduced head's logits spread over the vocabulary."""
+        return full_vocabulary(logits, self.head_token_ids, self.config.vocab_size)
 
 
 def picked_logits(logits: torch.Tensor, num_logits: list[int]) -> torch.Tensor:

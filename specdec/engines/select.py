@@ -21,6 +21,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdec.engines.engine import Engine
 
 ENGINES = ("torch", "onnxruntime", "tensorrt")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -118,8 +122,8 @@ def create_engine(
     engine_dir: str | Path | None = None,
     dtype: str = "float32",
     cuda_graphs: bool = False,
-):
-    """An engine with LlamaEngine's surface (forward, config, num_slots, max_length).
+) -> Engine:
+    """The engine `kind` (ENGINES) over `checkpoint`: LlamaEngine, OnnxEngine or TrtEngine.
     dtype: DTYPES; the one chosen is written to stderr (the server's log), so a user sees
     what `auto` picked. cuda_graphs: the torch engine on CUDA only (LlamaEngine)."""
     if kind not in ENGINES:

@@ -188,13 +188,20 @@ class TrtEngine(GraphEngine):
         plan_dir = ensure_plan(path, Path(engine_dir), num_slots, max_length, dtype)
         return cls(plan_dir, num_slots, max_length)
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        input_lengths: list[int],
+        slot_ids: list[int],
+        cache_lengths: list[int],
+        num_logits: list[int],
+    ) -> torch.Tensor:
         """GraphEngine.forward on the engine's stream; (sum(num_logits), V) float32 logits on
         the GPU, ready on the caller's stream."""
         caller = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):  # gathers, the plan, appends, the logits picked
-            logits = super().forward(*args, **kwargs)
+            logits = super().forward(input_ids, input_lengths, slot_ids, cache_lengths, num_logits)
         caller.wait_stream(self.stream)
         if logits.is_cuda:  # (the tests' scripted TensorRT runs on the CPU)
             logits.record_stream(caller)

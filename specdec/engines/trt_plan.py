@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.engines.onnx_engine import MAX_BATCHED_QUERY
+from specdec.engines.engine import MAX_BATCHED_QUERY
 from specdec.engines.onnx_export import MANIFEST, input_names, read_manifest
 from specdec.engines.wire import HINDSIGHT_TOKENS
 

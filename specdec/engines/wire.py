@@ -17,8 +17,8 @@ both engines, so a proposal is accepted exactly when it equals the target's toke
 Before either runs, the call copies cache prefixes between slots (copy_*): the sequences a
 request asks for with num_return_sequences share its prompt's cache, filled once.
 
-Plain numpy: the loop imports this module without loading a decoder. Running a call in this
-process is specdec/engines/in_process.py; over Triton, specdec/serving/engine_model.py.
+Plain numpy: the loop imports this module without loading a decoder. A call's work on an
+engine is specdec/engines/calls.py, over Triton in specdec/serving/engine_model.py.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class EngineResult:
 
 class Engines(Protocol):
     """The loop's two engine calls: the engine models over Triton
-    (specdec/serving/bls_model.py) or both engines in this process (in_process.py)."""
+    (specdec/serving/bls_model.py) or both engines in this process
+    (build/local_engines.py)."""
 
     def draft(self, batch: EngineBatch) -> EngineResult: ...
     def target(self, batch: EngineBatch) -> EngineResult: ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engines.in_process import run_draft, run_target
+from specdec.engines.calls import run_draft, run_target
 from specdec.engines.select import create_engine
 from specdec.engines.wire import EngineBatch
 from specdec.serving import settings

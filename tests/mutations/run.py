@@ -1,8 +1,8 @@
 """Planted bugs the loop's tests must catch.
 
-Each mutant is one edit to a copy of the project (specdec/, tests/, model_repository/,
-pyproject.toml; the models are linked); the tests named for it then run on the copy and must
-fail. A mutant whose tests pass is a bug the suite would let through.
+Each mutant is one edit to a copy of the project (specdec/, build/, tests/,
+model_repository/, pyproject.toml; the models are linked); the tests named for it then run on
+the copy and must fail. A mutant whose tests pass is a bug the suite would let through.
 
     .venv/bin/python tests/mutations/run.py              # every mutant (make mutations)
     .venv/bin/python tests/mutations/run.py --list
@@ -63,7 +63,7 @@ MUTANTS = [
     Mutant(
         "target-noise-position",
         "the target keys a token's noise by the position before it (the draft does not)",
-        "specdec/engines/in_process.py",
+        "specdec/engines/calls.py",
         "fed[rows] + steps + 1, True)",
         "fed[rows] + steps, True)",
         tests=(*REAL,),
@@ -184,7 +184,7 @@ MUTANTS = [
 
 
 def copy_project(into: Path) -> None:
-    for name in ("specdec", "tests", "model_repository"):
+    for name in ("specdec", "build", "tests", "model_repository"):  # tests import build/
         shutil.copytree(
             PROJECT_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__")
         )

@@ -1,14 +1,14 @@
-"""Engine calls run in this process: the work behind the wire format (specdec/engines/wire.py)
-for one LlamaEngine (torch, onnxruntime or TensorRT). The engine models run these behind
-Triton (specdec/serving/engine_model.py); `LocalEngines` gives the loop both engines with no
-Triton in between (unit tests, offline tools)."""
+"""An engine call's work: the wire format in (specdec/engines/wire.py), tokens out, on any
+Engine (torch, onnxruntime or TensorRT; specdec/engines/engine.py). The engine models run
+these behind Triton (specdec/serving/engine_model.py); build/local_engines.py runs them with
+no Triton in between (unit tests, offline tools)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from specdec.engines.llama import LlamaEngine
+from specdec.engines.engine import Engine
 from specdec.engines.sampling import RowSampling, choose_tokens
 from specdec.engines.wire import EngineBatch, EngineResult, hindsight_lengths
 
@@ -28,7 +28,7 @@ def rows_sampling(
     return sampling.to(device)
 
 
-def apply_copies(engine, batch: EngineBatch) -> None:
+def apply_copies(engine: Engine, batch: EngineBatch) -> None:
     """Copies the first copy_lengths positions of each source slot's cache into its
     destination slot, before the call writes anything."""
     for src, dst, length in zip(
@@ -65,7 +65,7 @@ def _choose(
     return tokens.cpu().numpy().astype(np.int32), values
 
 
-def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
+def run_target(engine: Engine, batch: EngineBatch) -> EngineResult:
     """Appends the rows' tokens and chooses the target's token at their last num_steps
     positions."""
     apply_copies(engine, batch)
@@ -90,7 +90,7 @@ def run_target(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
     return result
 
 
-def run_draft(engine: LlamaEngine, batch: EngineBatch) -> EngineResult:
+def run_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
     """Appends the rows' tokens, guesses the last fed ones in hindsight, then proposes
     num_steps tokens per row (0: none), one step at a time."""
     apply_copies(engine, batch)
@@ -144,17 +144,3 @@ def _hindsight_hits(
         ]
         hits[r] = int(sum(1 << j for j in np.nonzero(guessed == fed)[0]))
     return hits
-
-
-class LocalEngines:
-    """Both engines in this process (unit tests, offline checks): no Triton in between."""
-
-    def __init__(self, draft_engine: LlamaEngine, target_engine: LlamaEngine) -> None:
-        self.draft_engine = draft_engine
-        self.target_engine = target_engine
-
-    def draft(self, batch: EngineBatch) -> EngineResult:
-        return run_draft(self.draft_engine, batch)
-
-    def target(self, batch: EngineBatch) -> EngineResult:
-        return run_target(self.target_engine, batch)

@@ -132,7 +132,7 @@ def token_divergences(
     where it `ended` with `end_id`, whether the argmax there was the end token. An output
     that runs past a position whose argmax is the end token diverges there. After a
     divergence the reference follows the output, so each later position is checked from
-    the output's own prefix. `engine`: a LlamaEngine-like engine (slot 0), or a
+    the output's own prefix. `engine`: an Engine (specdec/engines/engine.py; slot 0), or a
     SingleSteps over one to share its steps between outputs of the same prompt."""
     if ended and end_id is None:
         raise ValueError("ended with the end token, but end_id is None")
@@ -154,7 +154,7 @@ def token_divergences(
 def greedy_top2(
     engine, prompt_ids: list[int], max_tokens: int, stop_id: int | None, slot: int = 0
 ) -> tuple[list[int], list[int], list[float]]:
-    """Plain greedy decoding of one prompt in `slot` (LlamaEngine's surface), one token per
+    """Plain greedy decoding of one prompt in `slot` of an Engine, one token per
     call, stopping after `stop_id` (None: after max_tokens): per output position the
     argmax, the runner-up and the top-2 logit gap."""
     logits = engine.forward(torch.tensor(prompt_ids), [len(prompt_ids)], [slot], [0], [1])
