@@ -33,8 +33,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 
 venv: $(VENV)/.installed
 
-$(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py specdec/engines/checkpoint.py $(wildcard drafts/*/draft.safetensors)
-	$(PY) build/prepare_models.py --models-dir $(MODELS)
+$(MODELS)/.prepared: $(VENV)/.installed build/prepare_models.py build/checkpoint.py $(wildcard drafts/*/draft.safetensors)
+	$(PY) -m build.prepare_models --models-dir $(MODELS)
 	touch $@
 
 models: $(MODELS)/.prepared
@@ -93,7 +93,7 @@ format: venv
 TARGET ?= models/smollm2-135m-instruct
 draft: models
 	$(PY) -m build.train_draft --target $(TARGET)
-	$(PY) build/prepare_models.py --models-dir $(MODELS)
+	$(PY) -m build.prepare_models --models-dir $(MODELS)
 
 # By workload (chat, grounded, rewrite) at 1, 4, 16 and 64 concurrent streams, twice: on a
 # float32 server of its own, then on a bfloat16 one (a CPU without bfloat16 instructions

@@ -37,7 +37,7 @@ def hf_directory(checkpoint: Path, work_root: Path) -> Path:
         return checkpoint
     if checkpoint.suffix != ".gguf":
         raise ValueError(f"{checkpoint}: expected a Hugging Face directory or a .gguf file")
-    from specdec.engines.checkpoint import convert_gguf
+    from build.checkpoint import convert_gguf
 
     out_dir = work_root / checkpoint.stem
     if not (out_dir / "config.json").exists():

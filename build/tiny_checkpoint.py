@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.engines.checkpoint import TOKENIZER_FILES
+from build.checkpoint import TOKENIZER_FILES
 from specdec.paths import PROJECT_ROOT
 
 DEFAULT_TOKENIZER = PROJECT_ROOT / "models" / "smollm2-135m-instruct"

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 TARGET=${TARGET_CHECKPOINT:-models/smollm2-135m-instruct}
 DRAFT=${DRAFT_CHECKPOINT:-models/smollm2-135m-draft}
 if [ -z "${TARGET_CHECKPOINT:-}" ]; then
-  python3 build/prepare_models.py --models-dir models
+  python3 -m build.prepare_models --models-dir models
 fi
 for checkpoint in "$TARGET" "$DRAFT"; do
   if [ ! -e "$checkpoint" ]; then
