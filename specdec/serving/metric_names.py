@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # Where the loop's time goes, per iteration: asking Triton which streams were cancelled,
 # the draft model's call, the target's call, the rest of the scheduler's step (admission,
-# proposers, the controller, acceptance), and building the responses and handing them to
+# proposers, the cost model, acceptance), and building the responses and handing them to
 # the outbox (serving/outbox.py; it waits only when the outbox is two iterations behind).
 LOOP_PARTS = ("cancel_check", "draft", "target", "schedule", "respond")
 # Seconds the outbox spent sending responses and applying metric updates.
@@ -97,7 +97,7 @@ FAMILIES = (
         "gauge",
         "Sequences waiting for a KV slot (every sequence of the queued requests)",
     ),
-    Family("specdec_current_num_draft_tokens", "gauge", "k the controller chose for adaptive rows"),
+    Family("specdec_current_num_draft_tokens", "gauge", "the draft model's k for its adaptive rows, as the cost model chose it"),
     Family("specdec_free_kv_slots", "gauge", "KV-cache slots free in each engine"),
     Family(
         CALIBRATED,
@@ -110,7 +110,7 @@ FAMILIES = (
         "counter",
         "Seconds the loop spent, by part: cancel_check (asking Triton which streams were "
         "cancelled), draft and target (the engine calls), schedule (the rest of the step: "
-        "admission, proposers, controller, acceptance), respond (building the responses and "
+        "admission, proposers, the cost model, acceptance), respond (building the responses and "
         "handing them, with the metric updates, to the outbox; inline, the default, that "
         "includes sending them)",
         ("part",),

@@ -106,7 +106,7 @@ def parse_engine_dir(name: str, value: str) -> str:
 
 
 def parse_default_k(name: str, value: str) -> int | None:
-    """k for requests that send no num_draft_tokens: "adaptive" (None: the controller
+    """k for requests that send no num_draft_tokens: "adaptive" (None: the cost model
     chooses) or a fixed k >= 0."""
     if value.strip().lower() == "adaptive":
         return None
@@ -416,7 +416,7 @@ DEFAULT_NUM_DRAFT_TOKENS = Setting(
     (BLS_MODEL,),
     "adaptive",
     parse_default_k,
-    "k for requests that send no `num_draft_tokens`: `adaptive` (the goodput controller) or "
+    "k for requests that send no `num_draft_tokens`: `adaptive` (the cost model chooses) or "
     "a fixed number",
 )
 NGRAM_MATCH_LENGTHS = Setting(
