@@ -9,7 +9,7 @@ host, without a server: every slot is filled with `--cached` positions, then eac
 (ROWSxTOKENS: that many rows each appending that many tokens and asking for their logits;
 ROWSxTOKENS@SPAN: the rows' slots spread evenly over SPAN slots, as rows lie once requests
 have joined and left, instead of adjacent) runs `--repeats` times; the median is reported.
-Hosts differ most in what bfloat16 buys (those measured: docs/benchmarks.md). Writes JSON.
+Hosts differ most in what bfloat16 buys (those measured: docs/benchmarks-archive.md). Writes JSON.
 """
 
 from __future__ import annotations

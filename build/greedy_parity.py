@@ -9,7 +9,7 @@ different tokens where the reference's two best logits are nearly tied, and only
   excused ones (gap below TIE_MARGIN) from bugs.
 - gap_moves / precision_moves: how far a verify, or bfloat16 against float32, moves the
   reference's top-2 gap; build/tie_margin.py measures TIE_MARGIN and PRECISION_MARGIN with
-  them (docs/benchmarks.md, Precision).
+  them (docs/benchmarks-archive.md, Precision).
 - greedy_path / find_divergences: greedy text against a reference path, by text, for
   servers that answer text only (build/gpu_check.py).
 README, Exactness, and docs/design.md, Precision; tests/test_bfloat16_server.py and
@@ -27,7 +27,7 @@ import torch
 @dataclass(frozen=True)
 class Bfloat16Margins:
     """One way of computing bfloat16: the largest moves build/tie_margin.py measured there,
-    and the margins set from them (1.5x, rounded up; docs/benchmarks.md, Precision)."""
+    and the margins set from them (1.5x, rounded up; docs/benchmarks-archive.md, Precision)."""
 
     # The reference's top-2 logit gap below which a bfloat16 verify of k + 1 tokens and
     # one-token steps may pick differently, and the largest move of that gap measured.

@@ -289,7 +289,7 @@ class StaggeredLoad:
         # Each mode walks the same prompt sequence from its start (stream i: prompts i, i + c,
         # i + 2c, ...; multi-turn: conversations i, i + c, ..., turn by turn), so that the modes
         # are compared on the same prompts: a window holds few requests, and prompts differ a
-        # lot (what a shared count did: docs/benchmarks.md, "The modes did not see the same
+        # lot (what a shared count did: docs/benchmarks-archive.md, "The modes did not see the same
         # prompts").
         prompts = StreamPrompts(self.workload, index, self.concurrency, self.render)
         with StreamingClient(self.url, self.config.model) as client:

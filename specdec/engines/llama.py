@@ -139,12 +139,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 HEAD_TOKEN_IDS = "draft.head_token_ids"  # optional weight: (head size,) token ids
 # A width's rows read their slot range through a view where they fill at least this share of
-# it; sparser rows read a gathered copy of their own slots. The masked slots of a view cost
-# what real ones do, and a copy costs about what a quarter more slots do (in process, 2 cores,
-# 150 cached positions, 16 decoding rows: bfloat16 71 ms in 16 adjacent slots, 82 ms through
-# a view of 32, 72 ms gathered; float32 109, 119, 113 ms; docs/benchmarks.md, 2026-12-05).
-# Rows spread out as requests join and leave: a freed slot keeps its prefix for reuse, so the
-# next request takes a slot above the running ones.
+# it; sparser rows read a gathered copy of their own slots: the masked slots of a view cost
+# what real ones do, and a copy costs about what a quarter more slots do (measured:
+# docs/benchmarks-archive.md, "2026-12-05 (afternoon)"). Rows spread out as requests join and
+# leave: a freed slot keeps its prefix for reuse, so the next request takes a slot above the
+# running ones.
 VIEW_MIN_FILL = 0.8
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Top logits per position that the head recomputes in float32 below float32 (head_logits):
@@ -230,8 +229,9 @@ class LlamaEngine(SlotCache):
             return weights[name].to(self.device, torch.float32)
 
         # The head is a matrix like the others: a float32 copy would slow every step
-        # (docs/benchmarks.md). Its top logits are recomputed in float32 (head_logits), so
-        # they are not rounded to bfloat16's steps (0.125 near 20) where the top two would tie.
+        # (docs/benchmarks-archive.md, Precision). Its top logits are recomputed in float32
+        # (head_logits), so they are not rounded to bfloat16's steps (0.125 near 20) where
+        # the top two would tie.
         head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = matrix(head_name)
         self.embed = (

@@ -17,11 +17,10 @@ prefill), then times
   curve keys it (tokens verified in all);
 - a ragged verify (batch sizes of 2 rows or more): every row one token but one of max_k + 1.
   The engine runs one attention call per width of rows, so a second width costs more than
-  its tokens (bfloat16, 16 rows of 300 positions, 2 cores: one row of 5 tokens among single
-  ones cost 7 ms more than 16 single tokens, what 9 more tokens cost in rows of two).
-  Prompt lookup, whose rows propose different numbers of tokens, prices that
-  (proposers/ngram.py). It comes with its batch size, not after all the others: put last,
-  a 5-s budget on 2 cores never reached it, and the price was never set.
+  its tokens (docs/benchmarks-archive.md, "2026-12-05: the cost curves' level, and widths in
+  a verify"); a lookup proposer's rows propose different numbers of tokens, and the cost
+  model prices that (specdec/loop/economics.py). It comes with its batch size, not after
+  all the others: put last, a 5-s budget on 2 cores would never reach it.
 Each shape gets one untimed call first (a shape's first call pays allocations), and the plan
 stops once `budget_s` is spent, so that a slow host measures the small batches and a GPU
 all of them: what is not measured is extrapolated by the curves, as before. The slots'

@@ -8,7 +8,8 @@ from specdec.loop.prefix_cache import DEFAULT_PREFIX_MIN_TOKENS
 from specdec.loop.proposers import PROPOSERS
 from specdec.loop.proposers.ngram import DEFAULT_MATCH_LENGTHS
 
-# Prompt tokens prefilled per step beyond the rows that run whole (docs/benchmarks.md).
+# Prompt tokens prefilled per step beyond the rows that run whole (docs/benchmarks-archive.md,
+# "2026-12-04 (evening): prefix reuse and chunked prefill").
 DEFAULT_PREFILL_CHUNK = 256
 
 

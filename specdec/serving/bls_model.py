@@ -342,11 +342,11 @@ class TritonPythonModel:
 
     def _mark_cancelled(self, snapshot: LoopSnapshot) -> None:
         """Drops cancelled streams, every sequence of the request. is_cancelled() crosses a
-        process boundary (asking all 448 waiting requests at 512 users each iteration cost
-        more than the step's own work; asking every running one, 12 ms per iteration at 256
-        rows on a GPU host), so it is asked once per request, of at most num_slots +
-        RUNNING_CANCEL_CHECKS + WAITING_CANCEL_CHECKS requests per iteration however long
-        the queue and however large the batch: those about to get a free slot (where the
+        process boundary (asking every waiting and running request each iteration cost more
+        than the step's own work under load: docs/operations.md, Robustness, Cancellation),
+        so it is asked once per request, of at most num_slots + RUNNING_CANCEL_CHECKS +
+        WAITING_CANCEL_CHECKS requests per iteration however long the queue and however
+        large the batch: those about to get a free slot (where the
         answer changes this iteration's work), the next RUNNING_CANCEL_CHECKS running ones
         and the next WAITING_CANCEL_CHECKS waiting ones, each round robin
         (serving/cancel_ring.py).

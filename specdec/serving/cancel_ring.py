@@ -1,7 +1,7 @@
 """Which requests the loop asks, each iteration, whether their streams were cancelled.
 
-Asking crosses a process boundary (pb_utils `is_cancelled()`, about 50 us each on a GPU
-host: 12 ms per iteration at 256 running rows, asked one by one), so the loop asks a
+Asking crosses a process boundary (pb_utils `is_cancelled()`: what it costs is in
+docs/operations.md), so the loop asks a
 bounded number of waiting requests and a bounded number of running ones per iteration,
 each round robin, and the cost grows neither with the queue nor with the batch
 (serving/bls_model.py `_mark_cancelled`). Bound: with Q requests in a ring and `count`

@@ -97,7 +97,11 @@ FAMILIES = (
         "gauge",
         "Sequences waiting for a KV slot (every sequence of the queued requests)",
     ),
-    Family("specdec_current_num_draft_tokens", "gauge", "the draft model's k for its adaptive rows, as the cost model chose it"),
+    Family(
+        "specdec_current_num_draft_tokens",
+        "gauge",
+        "the draft model's k for its adaptive rows, as the cost model chose it",
+    ),
     Family("specdec_free_kv_slots", "gauge", "KV-cache slots free in each engine"),
     Family(
         CALIBRATED,

@@ -5,9 +5,10 @@ to the server process (the stub waits for the server's answer), while the engine
 The loop builds each iteration's work and hands it to an Outbox, which runs it either at
 once (`response_thread` false) or on a thread of its own while the loop runs the next step
 (`response_thread` true). On 2 CPU cores the thread costs more than it saves: the server's
-work on the responses then competes with the engine's threads (docs/benchmarks.md). It is
-for hosts whose engines run on a GPU, or that have cores to spare: the BLS parameter's
-default, auto, turns it on with 4 or more usable cores (serving/settings.py).
+work on the responses then competes with the engine's threads (docs/benchmarks-archive.md,
+"2026-12-02 (third run)"). It is for hosts whose engines run on a GPU, or that have cores
+to spare: the BLS parameter's default, auto, turns it on with 4 or more usable cores
+(serving/settings.py).
 
 Order is kept: batches run in the order they were submitted, and the callables of a batch
 in their order, so a request's responses arrive in order, its FINAL response last, and a

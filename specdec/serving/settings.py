@@ -35,7 +35,8 @@ from specdec.loop.proposers import REGISTRY
 T = TypeVar("T")
 
 # response_thread "auto" turns the outbox's thread on from this many usable cores: on 2 cores
-# the server's work on the responses competes with the engine's threads (docs/benchmarks.md).
+# the server's work on the responses competes with the engine's threads
+# (docs/benchmarks-archive.md, "2026-12-02 (third run)").
 RESPONSE_THREAD_MIN_CORES = 4
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
