@@ -142,10 +142,13 @@ def test_perf_analyzer_streams_the_ensemble(server):
             str(PROJECT_ROOT / "loadtest" / "perf_analyzer_inputs.json"),
             "--concurrency-range",
             "2",
-            # 20 s: a loaded 2-core machine once finished no request inside a 10 s window
-            # ("No valid requests recorded within time interval").
-            "--measurement-interval",
-            "20000",
+            # Windows that last until 4 requests have finished, not a fixed time: a loaded
+            # 2-core machine once finished no request inside a 10 s window ("No valid
+            # requests recorded within time interval"), and 20 s windows took a minute.
+            "--measurement-mode",
+            "count_windows",
+            "--measurement-request-count",
+            "4",
             # CI checks that it runs and measures, not that a shared CPU is stable.
             "--stability-percentage",
             "999",
