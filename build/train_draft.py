@@ -35,7 +35,7 @@ from build.draft_prompts import (
     drop_evaluation_prompts,
     templated_prompts,
 )
-from build.local_engines import LocalEngines
+from specdec.engines.calls import LocalEngines
 from specdec.engines.llama import HEAD_TOKEN_IDS, LlamaEngine, load_hf_checkpoint
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.scheduler import SpeculativeScheduler

@@ -23,6 +23,9 @@ import time
 from specdec.processes import descendant_pids, end_with_parent, is_ready, process_alive
 from specdec.server_config import ServerConfig, access_summary, server_command
 
+# Triton's own exit timeout (ServerConfig.exit_timeout_s, 30 s) and a margin for unloading.
+STOP_GRACE_S = 45.0
+
 
 def supervise(
     command: list[str],
@@ -30,12 +33,16 @@ def supervise(
     http_port: int,
     poll_s: float = 5.0,
     max_unready_polls: int = 3,
+    stop_grace_s: float = STOP_GRACE_S,
 ) -> int:
     """Runs tritonserver as a child and passes SIGTERM / SIGINT on. Once the server has been
     ready, a stub process that died, or `max_unready_polls` failed readiness checks in a row,
     stop it and return 1. Triton 2.51 neither restarts a dead Python stub nor stops reporting
     ready (its requests fail), so this process exits and a container restart policy
-    (compose `restart: on-failure`) brings up a fresh server."""
+    (compose `restart: on-failure`) brings up a fresh server. A server that has not exited
+    `stop_grace_s` after SIGTERM is killed, stubs and all: with the BLS's stub dead (the
+    engines' process), a stream through the ensemble is never released and tritonserver
+    hung past its own exit timeout; killed, it closes the streams, so their clients hear."""
     process = subprocess.Popen(command, env=env, preexec_fn=end_with_parent)
     stopping = []
 
@@ -59,10 +66,27 @@ def supervise(
         if dead or misses >= max_unready_polls:
             reason = f"stub process {dead[0]} died" if dead else "no longer ready"
             print(f"tritonserver: {reason}; stopping it", file=sys.stderr, flush=True)
-            process.terminate()
-            process.wait()
+            stop(process, stop_grace_s)
             return 1
     return process.returncode
+
+
+def stop(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL to it and every process under it after `grace_s` seconds."""
+    stubs = descendant_pids(process.pid)
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        print(
+            f"tritonserver: still running {grace_s:.0f} s after SIGTERM; killing it",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in [process.pid, *stubs]:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
 
 
 def start_openai_api() -> subprocess.Popen:

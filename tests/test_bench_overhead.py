@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from build.local_engines import LocalEngines
+from specdec.engines.calls import LocalEngines
 from build.tiny_checkpoint import TinyConfig, shaped_like
 from build.tiny_checkpoint import run as build_tiny
 from specdec.engines.llama import LlamaEngine

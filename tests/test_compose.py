@@ -247,12 +247,12 @@ def test_rendered_repository_for_the_gpu(compose, tmp_path, engine):
     config = ServerConfig.from_env({**environment, "ENGINE": engine})
     config.run_dir = tmp_path
     repository = render_repository(config)
-    for model in ("draft_model", "target_model"):
-        text = (repository / model / "config.pbtxt").read_text()
-        assert f'key: "engine" value: {{ string_value: "{engine}" }}' in text
-        assert 'key: "device" value: { string_value: "cuda" }' in text
-        assert 'key: "num_slots" value: { string_value: "64" }' in text
-        checkpoint = re.search(r'key: "checkpoint" value: \{ string_value: "([^"]+)"', text)[1]
+    text = (repository / "speculative_decoding" / "config.pbtxt").read_text()  # the engines'
+    assert f'key: "engine" value: {{ string_value: "{engine}" }}' in text
+    assert 'key: "device" value: { string_value: "cuda" }' in text
+    assert 'key: "num_slots" value: { string_value: "64" }' in text
+    for key in ("checkpoint", "draft_checkpoint"):
+        checkpoint = re.search(rf'key: "{key}" value: \{{ string_value: "([^"]+)"', text)[1]
         assert Path(checkpoint).is_absolute() and checkpoint.startswith(str(PROJECT_ROOT))
 
 

@@ -46,16 +46,18 @@ def final_error(responses: list) -> str:
     return error.message()
 
 
-def test_killed_engine_process_ends_every_request_and_the_supervisor_exits(target_dir):
+def test_a_killed_engines_process_ends_every_request_and_the_supervisor_exits(target_dir):
     # Supervised as in the container (`python -m specdec.launch --exit-when-unready`): Triton
     # does not restart a dead stub, so the supervisor exits 1 and the restart policy acts.
     server = ManagedServer("test-fault-kill", SMALL, supervised=True)
     try:
         victims = streams_under_way(server.url, [BLS, BLS, BLS, ENSEMBLE])
-        os.kill(server.stub_pid("target_model"), signal.SIGKILL)
+        os.kill(server.stub_pid(BLS), signal.SIGKILL)  # the engines live in its process
         for client, responses in victims:
-            wait_for(lambda responses=responses: any(is_final(r, e) for r, e in responses), 90)
-            assert "target" in final_error(responses)
+            # Nobody is left to send a final response: the supervisor stops the server (and
+            # kills it once its exit timeout has passed), which ends each stream with an error.
+            wait_for(lambda responses=responses: any(is_final(r, e) for r, e in responses), 120)
+            final_error(responses)
             client.close()
         later = generate("Hello", url=server.url, model="speculative_decoding", max_tokens=4)
         assert later.error is not None  # the engine is gone, or the server with it
@@ -80,14 +82,18 @@ def test_sigterm_under_load_ends_every_stream_within_the_exit_timeout(target_dir
         for _, responses in victims:
             wait_for(
                 lambda responses=responses: any(is_final(r, e) for r, e in responses),
-                server.config.exit_timeout_s,
+                server.config.exit_timeout_s + 15,
             )
-        assert server.process.poll() is None  # the server ended them, not a dropped connection
         for client, responses in victims:
-            # The BLS's next engine call meets a server that is no longer ready, or the model
-            # is unloaded first: either way a final error that says so.
-            message = final_error(responses)
-            assert "not ready" in message or "shutting down" in message, message
+            # Triton lets requests in flight finish within its exit timeout: the engines are
+            # in the BLS's process, so a stream either completes or, once the timeout has
+            # passed and the BLS is unloaded, ends with an error that says so; never with a
+            # dropped connection.
+            finals = [(r, e) for r, e in responses if is_final(r, e)]
+            assert len(finals) == 1, f"{len(finals)} final responses"
+            error = finals[0][1]
+            if error is not None:
+                assert "shutting down" in error.message(), error.message()
             client.close()
         server.process.wait(timeout=server.config.exit_timeout_s + 30)
     finally:

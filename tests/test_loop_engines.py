@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from build.greedy_parity import TIE_MARGIN, token_divergences
-from build.local_engines import LocalEngines
+from specdec.engines.calls import LocalEngines
 from conftest import DRAFT
 from specdec.engines.coupling import perturbed_scores
 from specdec.engines.llama import LlamaEngine

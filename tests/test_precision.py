@@ -26,7 +26,7 @@ from conftest import DRAFT
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.select import create_engine, engine_dtype, resolve_dtype
 from specdec.server_config import ServerConfig, render_repository
-from specdec.serving.settings import ENGINE_MODELS
+from specdec.serving.settings import BLS_MODEL
 
 CPU_WITH_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 CPU_WITH_AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_tile amx_bf16 amx_int8\n"
@@ -116,17 +116,15 @@ def test_create_engine_refuses_before_loading_anything():
         create_engine("torch", "no-such-checkpoint", 1, 8, dtype="double")
 
 
-def test_dtype_reaches_both_engine_models_and_defaults_to_float32(tmp_path):
-    def rendered(env: dict[str, str]) -> dict[str, str]:
+def test_dtype_reaches_the_engines_and_defaults_to_float32(tmp_path):
+    def rendered(env: dict[str, str]) -> str:
         config = ServerConfig.from_env({**env, "RUN_DIR": str(tmp_path)})
-        repository = render_repository(config)
-        return {m: (repository / m / "config.pbtxt").read_text() for m in ENGINE_MODELS}
+        return (render_repository(config) / BLS_MODEL / "config.pbtxt").read_text()
 
     line = 'key: "dtype" value: {{ string_value: "{}" }}'
-    for text in rendered({}).values():  # what test servers get: exactness needs float32
-        assert line.format("float32") in text
-    for text in rendered({"DTYPE": "auto"}).values():
-        assert line.format("auto") in text
+    # what test servers get: exactness needs float32
+    assert line.format("float32") in rendered({})
+    assert line.format("auto") in rendered({"DTYPE": "auto"})
 
 
 # The real target: bfloat16 against float32.

@@ -325,7 +325,7 @@ def test_every_setting_reaches_the_rendered_parameters_of_each_of_its_models(tmp
             given = setting.parse(setting.variable, GIVEN[setting.variable])
             assert setting.read(parameters) == given, (model, setting.variable)
             read += 1
-    assert read == sum(len(setting.models) for setting in MODEL_SETTINGS) > len(SETTINGS)
+    assert read == sum(len(setting.models) for setting in MODEL_SETTINGS) > len(MODEL_SETTINGS)
 
 
 def test_the_committed_configs_carry_no_setting():
@@ -366,14 +366,12 @@ def test_rendering_writes_every_declared_parameter(tmp_path):
     assert parameters["max_queue"] == "7" and len(re.findall('key: ?"max_queue"', text)) == 1
     assert parameters["prefill_chunk"] == "256"
     assert parameters["checkpoint"] == checkpoint  # quotes and backslashes escaped, read back
-    assert parameters["draft_model_name"] == "draft_model"
     assert set(parameters) == {s.key for s in model_settings("speculative_decoding")} | {
-        "draft_model_name",
-        "target_model_name",
         "max_num_draft_tokens",
     }
+    assert parameters["draft_checkpoint"] == str(PROJECT_ROOT / settings.DRAFT_CHECKPOINT.default)
     draft = parameters_of((repository / "draft_model" / "config.pbtxt").read_text())
-    assert draft["checkpoint"] == str(PROJECT_ROOT / settings.DRAFT_CHECKPOINT.default)
+    assert draft == {"role": "draft", "engines_model_name": "speculative_decoding"}
 
 
 # The operations guide's table, between these lines, is `python -m specdec.serving.settings
@@ -448,10 +446,8 @@ def model_args(model: str, parameters: dict[str, str]) -> dict:
     return {"model_config": json.dumps(config), "model_name": model}
 
 
-GLUE = {
+GLUE = {  # draft_model and target_model take no settings: they forward to the BLS
     "speculative_decoding": ("bls_model", "TritonPythonModel"),
-    "draft_model": ("engine_model", "TritonPythonModel"),
-    "target_model": ("engine_model", "TritonPythonModel"),
     "preprocessing": ("text_models", "Preprocessing"),
 }
 
@@ -476,29 +472,26 @@ def render_parameters(tmp_path: Path, env: dict[str, str], model: str) -> dict[s
     return parameters_of((render_repository(config) / model / "config.pbtxt").read_text())
 
 
-def test_the_engine_models_create_their_engines_from_their_settings(glue, monkeypatch, tmp_path):
-    engine_model = glue("engine_model")
+def test_the_bls_creates_both_engines_from_its_settings(glue, monkeypatch, tmp_path):
+    bls_model = glue("bls_model")
     calls: list[tuple] = []
-    monkeypatch.setattr(engine_model, "create_engine", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(bls_model, "create_engine", lambda *a, **k: calls.append((a, k)))
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
-    for model in ("draft_model", "target_model"):
-        parameters = render_parameters(tmp_path / model, GIVEN, model)
-        engine_model.TritonPythonModel().initialize(model_args(model, parameters))
-    engine_model.TritonPythonModel().initialize(model_args("draft_model", {}))
+    parameters = render_parameters(tmp_path / "given", GIVEN, "speculative_decoding")
+    bls_model.create_engines(parameters)
+    bls_model.create_engines({})
     common = dict(num_slots=8, max_length=512, device="cuda:1", dtype="bfloat16", cuda_graphs=True)
+    defaults = dict(
+        num_slots=64, max_length=2048, device="cpu", dtype="float32", cuda_graphs=False
+    )
     assert calls == [
         (("onnxruntime", "/opt/draft"), {**common, "engine_dir": "/opt/engines/draft"}),
         (("onnxruntime", "/opt/target"), {**common, "engine_dir": "/opt/engines/target"}),
-        (  # nothing set: the declared defaults
-            ("torch", str(tmp_path / "models/smollm2-135m-draft")),
-            dict(
-                num_slots=64,
-                max_length=2048,
-                device="cpu",
-                engine_dir=None,
-                dtype="float32",
-                cuda_graphs=False,
-            ),
+        # nothing set: the declared defaults
+        (("torch", str(tmp_path / "models/smollm2-135m-draft")), {**defaults, "engine_dir": None}),
+        (
+            ("torch", str(tmp_path / "models/smollm2-135m-instruct")),
+            {**defaults, "engine_dir": None},
         ),
     ]
 
@@ -540,9 +533,13 @@ def test_the_bls_builds_its_loop_from_its_settings(
     if env is not None:
         env = {**env, "TARGET_CHECKPOINT": str(target_dir)}
         parameters = render_parameters(tmp_path, env, "speculative_decoding")
-    model = glue("bls_model").TritonPythonModel()
+    bls_model = glue("bls_model")
+    made: list[dict] = []  # the engines are another test's subject (above)
+    monkeypatch.setattr(bls_model, "create_engines", made.append)
+    model = bls_model.TritonPythonModel()
     model.initialize(model_args("speculative_decoding", parameters))
     try:
+        assert len(made) == 1
         assert model.config == expected
         assert model.stream_interval == stream_interval
         assert model.calibration_seconds == calibration_seconds

@@ -1,9 +1,11 @@
 """An engine call's work: the wire format in (specdec/engines/wire.py), tokens out, on any
-Engine (torch, onnxruntime or TensorRT; specdec/engines/engine.py). The engine models run
-these behind Triton (specdec/serving/engine_model.py); build/local_engines.py runs them with
-no Triton in between (unit tests, offline tools)."""
+Engine (torch, onnxruntime or TensorRT; specdec/engines/engine.py). `LocalEngines` holds the
+draft and the target engine in the caller's process: the loop's BLS model
+(specdec/serving/bls_model.py), unit tests and offline tools."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -144,3 +146,26 @@ def _hindsight_hits(
         ]
         hits[r] = int(sum(1 << j for j in np.nonzero(guessed == fed)[0]))
     return hits
+
+
+class LocalEngines:
+    """The draft and the target engine in this process, called as the loop calls them
+    (the Engines protocol of specdec/engines/wire.py). One call at a time: the loop and a
+    call from outside it (specdec/serving/engine_model.py) share the engines' caches."""
+
+    def __init__(self, draft_engine: Engine, target_engine: Engine) -> None:
+        self.draft_engine = draft_engine
+        self.target_engine = target_engine
+        self.lock = threading.Lock()
+
+    def draft(self, batch: EngineBatch) -> EngineResult:
+        with self.lock:
+            return run_draft(self.draft_engine, batch)
+
+    def target(self, batch: EngineBatch) -> EngineResult:
+        with self.lock:
+            return run_target(self.target_engine, batch)
+
+    def call(self, role: str, batch: EngineBatch) -> EngineResult:
+        """The call of `role` ("draft" or "target"; wire.ROLES)."""
+        return self.draft(batch) if role == "draft" else self.target(batch)

@@ -18,11 +18,15 @@ Before either runs, the call copies cache prefixes between slots (copy_*): the s
 request asks for with num_return_sequences share its prompt's cache, filled once.
 
 Plain numpy: the loop imports this module without loading a decoder. A call's work on an
-engine is specdec/engines/calls.py, over Triton in specdec/serving/engine_model.py.
+engine is specdec/engines/calls.py. The engines live in the loop's own process
+(specdec/serving/bls_model.py); a call sent from outside it (the draft_model and
+target_model models, specdec/serving/engine_model.py) crosses Triton as one encoded tensor
+(encode_call / encode_result).
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
@@ -128,3 +132,44 @@ class Engines(Protocol):
 
     def draft(self, batch: EngineBatch) -> EngineResult: ...
     def target(self, batch: EngineBatch) -> EngineResult: ...
+
+
+ROLES = ("draft", "target")
+
+
+def _encode(arrays: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # plain arrays: np.load below refuses pickled objects
+    return buffer.getvalue()
+
+
+def _decode(data: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        return {name: archive[name] for name in archive.files}
+
+
+def encode_call(role: str, batch: EngineBatch) -> bytes:
+    """One engine call as bytes: its role ("draft" or "target") and its batch's tensors."""
+    if role not in ROLES:
+        raise ValueError(f"engine role {role!r}: expected one of {', '.join(ROLES)}")
+    return _encode({"role": np.array(role), **batch.to_arrays()})
+
+
+def decode_call(data: bytes) -> tuple[str, EngineBatch]:
+    """encode_call's (role, batch); a malformed call raises ValueError naming what is wrong."""
+    try:
+        arrays = _decode(data)
+    except Exception as error:  # not an npz archive, or one holding objects
+        raise ValueError(f"engine_call: not an encoded engine call ({error})") from error
+    role = str(arrays.pop("role", ""))
+    if role not in ROLES:
+        raise ValueError(f"engine_call: role {role!r}, expected one of {', '.join(ROLES)}")
+    return role, EngineBatch.from_arrays(arrays)
+
+
+def encode_result(result: EngineResult) -> bytes:
+    return _encode(result.to_arrays())
+
+
+def decode_result(data: bytes) -> EngineResult:
+    return EngineResult.from_arrays(_decode(data))

@@ -21,13 +21,15 @@ import os
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engines.wire import EngineBatch, EngineResult
+from specdec.engines.calls import LocalEngines
+from specdec.engines.select import create_engine
+from specdec.engines.wire import decode_call, encode_result
 from specdec.loop.admission import QueueFull
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.scheduler import LoopSnapshot, SpeculativeScheduler
@@ -50,7 +52,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # and however large the batch.
 WAITING_CANCEL_CHECKS = 16
 RUNNING_CANCEL_CHECKS = 16
-ENGINE_OUTPUTS = [f.name for f in fields(EngineResult)]
 # How long the start-up cost measurement waits for Triton to be ready, and how often it
 # asks meanwhile.
 SERVER_WAIT_S = 600.0
@@ -66,35 +67,32 @@ def server_ready(url: str) -> bool:
         return False
 
 
-class TritonEngines:
-    """The scheduler's two engine calls, as BLS requests to the engine models."""
-
-    def __init__(self, draft_model: str, target_model: str) -> None:
-        self.draft_model = draft_model
-        self.target_model = target_model
-
-    def _call(self, model: str, batch: EngineBatch) -> EngineResult:
-        arrays = batch.to_arrays()
-        tensors = [pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in arrays.items()]
-        response = pb_utils.InferenceRequest(
-            model_name=model,
-            inputs=tensors,
-            requested_output_names=ENGINE_OUTPUTS,
-        ).exec()
-        if response.has_error():
-            raise RuntimeError(f"{model}: {response.error().message()}")
-        outputs = {}
-        for name in ENGINE_OUTPUTS:
-            tensor = pb_utils.get_output_tensor_by_name(response, name)
-            if tensor is not None:  # an engine model may leave out an empty optional one
-                outputs[name] = tensor.as_numpy()
-        return EngineResult.from_arrays(outputs)
-
-    def draft(self, batch: EngineBatch) -> EngineResult:
-        return self._call(self.draft_model, batch)
-
-    def target(self, batch: EngineBatch) -> EngineResult:
-        return self._call(self.target_model, batch)
+def create_engines(params: dict[str, str]) -> LocalEngines:
+    """The draft and the target engine, in this process, from the model's settings: one
+    process, one CUDA context, and no Triton round trip per engine call."""
+    shared = dict(
+        num_slots=settings.NUM_SLOTS.read(params),
+        max_length=settings.MAX_CONTEXT.read(params),
+        device=settings.DEVICE.read(params),
+        dtype=settings.DTYPE.read(params),
+        cuda_graphs=settings.CUDA_GRAPHS.read(params),
+    )
+    kind = settings.ENGINE.read(params)
+    engines = []
+    for checkpoint, engine_dir in (
+        (settings.DRAFT_CHECKPOINT, settings.DRAFT_ENGINE_DIR),
+        (settings.TARGET_CHECKPOINT, settings.TARGET_ENGINE_DIR),
+    ):
+        folder = engine_dir.read(params)
+        engines.append(
+            create_engine(
+                kind,
+                resolve_path(checkpoint.read(params)),
+                engine_dir=resolve_path(folder) if folder else None,
+                **shared,
+            )
+        )
+    return LocalEngines(*engines)
 
 
 class TritonRequest(Protocol):
@@ -161,8 +159,8 @@ class TritonPythonModel:
             prefill_chunk=settings.PREFILL_CHUNK.read(params),
         )
         self.tokenizer = load_tokenizer(resolve_path(settings.TARGET_CHECKPOINT.read(params)))
-        engines = TritonEngines(params["draft_model_name"], params["target_model_name"])
-        self.scheduler = SpeculativeScheduler(engines, self.config, self.tokenizer.decode)
+        self.engines = create_engines(params)
+        self.scheduler = SpeculativeScheduler(self.engines, self.config, self.tokenizer.decode)
         self.timer = StepTimer(self.scheduler)  # books each step's whole cost
         self.max_return_sequences = self.config.num_slots  # more would never run at once
         self.inputs = input_names(args)
@@ -229,6 +227,10 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            call = pb_utils.get_input_tensor_by_name(request, "engine_call")
+            if call is not None:
+                self._engine_call(call.as_numpy().reshape(-1)[0], sender)
+                continue
             try:
                 generations = parse_requests(
                     read_inputs(request, self.inputs),
@@ -259,6 +261,23 @@ class TritonPythonModel:
             except Exception as error:
                 self._refuse(sender, "error", f"speculative_decoding: {error}")
         return None
+
+    def _engine_call(self, data: bytes, sender) -> None:
+        """One engine call from outside the loop (draft_model, target_model: a call of its
+        own on the shared engines, between the loop's calls), answered at once."""
+        try:
+            role, batch = decode_call(data)
+            result = self.engines.call(role, batch)
+            encoded = np.array([[encode_result(result)]], dtype=np.object_)
+            response = pb_utils.InferenceResponse([pb_utils.Tensor("engine_result", encoded)])
+        except ValueError as error:
+            message = f"speculative_decoding: {error}"
+            code = pb_utils.TritonError.INVALID_ARG
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+        except Exception as error:
+            message = f"speculative_decoding: engine call: {error}"
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        sender.send(response, flags=FINAL)
 
     def _refuse(self, sender, outcome: str, message: str, code=None) -> None:
         """Ends a request that never reached the loop (no sequence ran); through the outbox,

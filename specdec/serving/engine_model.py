@@ -1,8 +1,12 @@
-"""Glue of draft_model and target_model: one engine call per request, no batching by Triton.
+"""Glue of draft_model and target_model: one engine call per request, on the engines that
+speculative_decoding holds.
 
-The `engine` parameter picks torch, onnxruntime or tensorrt, `dtype` its precision
-(float32, bfloat16, float16 or auto; specdec/engines/select.py), `cuda_graphs` whether the
-torch engine on CUDA replays its decode steps as CUDA graphs.
+The engines live in the BLS's process (specdec/serving/bls_model.py: one process and one
+CUDA context for both, no Triton round trip per loop call). These models keep the engine
+calls callable on their own, as before, without a second copy of the weights: each request's
+wire tensors (specdec/engines/wire.py) go to the BLS as one encoded `engine_call`, run there
+between the loop's own calls, and come back as `engine_result`. The call addresses slots
+of the caches the loop serves from: it is for tools and tests, not for clients.
 """
 
 from __future__ import annotations
@@ -10,48 +14,43 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engines.calls import run_draft, run_target
-from specdec.engines.select import create_engine
-from specdec.engines.wire import EngineBatch
-from specdec.serving import settings
-from specdec.serving.common import input_names, model_parameters, read_inputs, resolve_path
+from specdec.engines.wire import EngineBatch, decode_result, encode_call
+from specdec.serving.common import input_names, model_parameters, read_inputs
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         params = model_parameters(args)
         self.role = params["role"]
-        self.run = {"draft": run_draft, "target": run_target}[self.role]
-        # Its settings (specdec/serving/settings.py; a missing one is its default).
-        checkpoint, engine_dir = {
-            "draft": (settings.DRAFT_CHECKPOINT, settings.DRAFT_ENGINE_DIR),
-            "target": (settings.TARGET_CHECKPOINT, settings.TARGET_ENGINE_DIR),
-        }[self.role]
-        folder = engine_dir.read(params)
-        self.engine = create_engine(
-            settings.ENGINE.read(params),
-            resolve_path(checkpoint.read(params)),
-            num_slots=settings.NUM_SLOTS.read(params),
-            max_length=settings.MAX_CONTEXT.read(params),
-            device=settings.DEVICE.read(params),
-            engine_dir=resolve_path(folder) if folder else None,
-            dtype=settings.DTYPE.read(params),
-            cuda_graphs=settings.CUDA_GRAPHS.read(params),
-        )
+        self.engines_model = params["engines_model_name"]
         self.inputs = input_names(args)
+
+    def _call(self, batch: EngineBatch) -> dict[str, np.ndarray]:
+        data = np.array([[encode_call(self.role, batch)]], dtype=np.object_)
+        responses = pb_utils.InferenceRequest(
+            model_name=self.engines_model,
+            inputs=[pb_utils.Tensor("engine_call", data)],
+            requested_output_names=["engine_result"],
+        ).exec(decoupled=True)
+        for response in responses:
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            tensor = pb_utils.get_output_tensor_by_name(response, "engine_result")
+            if tensor is not None:
+                return decode_result(tensor.as_numpy().reshape(-1)[0]).to_arrays()
+        raise RuntimeError(f"{self.engines_model} answered no engine_result")
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
                 batch = EngineBatch.from_arrays(read_inputs(request, self.inputs))
-                result = self.run(self.engine, batch)
                 tensors = [
                     pb_utils.Tensor(name, np.ascontiguousarray(array))
-                    for name, array in result.to_arrays().items()
+                    for name, array in self._call(batch).items()
                 ]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-            except Exception as error:  # the caller (the BLS) ends the affected requests
+            except Exception as error:
                 responses.append(
                     pb_utils.InferenceResponse(
                         error=pb_utils.TritonError(f"{self.role} engine: {error}")

@@ -269,9 +269,9 @@ def parse_private_key_file(name: str, value: str) -> Path:
 
 # -- the declarations ------------------------------------------------------------------------
 
-DRAFT_MODEL, TARGET_MODEL = "draft_model", "target_model"
 BLS_MODEL, PREPROCESSING = "speculative_decoding", "preprocessing"
-ENGINE_MODELS = (DRAFT_MODEL, TARGET_MODEL)
+# The engines live in the BLS's process (one process, one CUDA context): their settings are
+# its parameters. draft_model and target_model only forward calls to it.
 
 
 @dataclass(frozen=True)
@@ -319,16 +319,16 @@ def loop_default(field_name: str) -> str:
 TARGET_CHECKPOINT = Setting(
     "TARGET_CHECKPOINT",
     "checkpoint",
-    (TARGET_MODEL, PREPROCESSING, BLS_MODEL),
+    (PREPROCESSING, BLS_MODEL),
     "models/smollm2-135m-instruct",
     parse_checkpoint,
     "the target: a Hugging Face Llama-family folder or a .gguf file (relative: to the "
-    "project root); the BLS and preprocessing take its tokenizer",
+    "project root); the BLS runs it, and preprocessing takes its tokenizer",
 )
 DRAFT_CHECKPOINT = Setting(
     "DRAFT_CHECKPOINT",
-    "checkpoint",
-    (DRAFT_MODEL,),
+    "draft_checkpoint",
+    (BLS_MODEL,),
     "models/smollm2-135m-draft",
     parse_checkpoint,
     "the draft, with the target's tokenizer",
@@ -336,7 +336,7 @@ DRAFT_CHECKPOINT = Setting(
 ENGINE = Setting(
     "ENGINE",
     "engine",
-    ENGINE_MODELS,
+    (BLS_MODEL,),
     "torch",
     one_of(*ENGINES),
     "`torch`, `onnxruntime` or `tensorrt` (GPU) (`specdec/engines/select.py`)",
@@ -344,7 +344,7 @@ ENGINE = Setting(
 DEVICE = Setting(
     "DEVICE",
     "device",
-    ENGINE_MODELS,
+    (BLS_MODEL,),
     "cpu",
     parse_device,
     "the torch engine's device: `cpu`, `cuda` or `cuda:N`",
@@ -353,7 +353,7 @@ DEVICE = Setting(
 DTYPE = Setting(
     "DTYPE",
     "dtype",
-    ENGINE_MODELS,
+    (BLS_MODEL,),
     "float32",
     one_of(*DTYPES),
     "`float32`, `bfloat16`, `float16` (CUDA) or `auto`: bfloat16 where the CPU or GPU has "
@@ -363,15 +363,15 @@ DTYPE = Setting(
 CUDA_GRAPHS = Setting(
     "CUDA_GRAPHS",
     "cuda_graphs",
-    ENGINE_MODELS,
+    (BLS_MODEL,),
     "false",
     parse_bool,
     "`true`: the torch engine on CUDA replays its one-token decode steps as CUDA graphs",
 )
 DRAFT_ENGINE_DIR = Setting(
     "DRAFT_ENGINE_DIR",
-    "engine_dir",
-    (DRAFT_MODEL,),
+    "draft_engine_dir",
+    (BLS_MODEL,),
     "",
     parse_engine_dir,
     "onnxruntime, tensorrt: the draft's exported graph or plan; empty: built on demand "
@@ -379,8 +379,8 @@ DRAFT_ENGINE_DIR = Setting(
 )
 TARGET_ENGINE_DIR = Setting(
     "TARGET_ENGINE_DIR",
-    "engine_dir",
-    (TARGET_MODEL,),
+    "target_engine_dir",
+    (BLS_MODEL,),
     "",
     parse_engine_dir,
     "the same for the target",
@@ -388,7 +388,7 @@ TARGET_ENGINE_DIR = Setting(
 NUM_SLOTS = Setting(
     "NUM_SLOTS",
     "num_slots",
-    (*ENGINE_MODELS, BLS_MODEL),
+    (BLS_MODEL,),
     "64",
     parse_positive,
     "KV-cache slots of each engine: the most sequences running at once",
@@ -396,7 +396,7 @@ NUM_SLOTS = Setting(
 MAX_CONTEXT = Setting(
     "MAX_CONTEXT",
     "max_context",
-    (*ENGINE_MODELS, BLS_MODEL),
+    (BLS_MODEL,),
     "2048",
     parse_max_context,
     "positions per slot (prompt + output)",
