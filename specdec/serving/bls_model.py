@@ -56,6 +56,17 @@ RUNNING_CANCEL_CHECKS = 16
 # asks meanwhile.
 SERVER_WAIT_S = 600.0
 SERVER_POLL_S = 0.2
+# Once the server stops being ready (SIGTERM: Triton waits up to its exit timeout, 30 s here,
+# for requests in flight, then exits without unloading), running requests get this long to
+# finish; the rest end with "server is shutting down" before Triton gives up on them. How
+# often the health is asked meanwhile:
+DRAIN_S = 20.0
+HEALTH_POLL_S = 1.0
+
+
+def health_url() -> str:
+    """Triton's HTTP readiness, on SPECDEC_HTTP_PORT (set by specdec/server_config.py)."""
+    return f"http://127.0.0.1:{os.environ.get('SPECDEC_HTTP_PORT', '8000')}/v2/health/ready"
 
 
 def server_ready(url: str) -> bool:
@@ -171,6 +182,7 @@ class TritonPythonModel:
         self.open_requests: dict[int, OpenRequest] = {}
         self.lock = threading.Condition()
         self.stopping = False
+        self.drain_deadline: float | None = None  # set once the server is stopping
         # Waiting requests, in the order their turn comes to be asked about cancellation
         # (_mark_cancelled); guarded by self.lock.
         self.cancel_ring = CancelRing[OpenRequest](lambda open_request: open_request.waiting)
@@ -186,6 +198,10 @@ class TritonPythonModel:
         )
         self.loop_thread = threading.Thread(target=self._loop, name="speculative-loop", daemon=True)
         self.loop_thread.start()
+        self.health_thread = threading.Thread(
+            target=self._watch_health, name="speculative-health", daemon=True
+        )
+        self.health_thread.start()
 
     def _calibrate(self) -> None:
         """Measures the engines' costs (the scheduler's calibrate) on the loop's thread before
@@ -214,8 +230,35 @@ class TritonPythonModel:
                 )
         self.metrics.calibrated.set(1)
 
+    def _watch_health(self) -> None:
+        """The engines live in this process, so nothing here fails when the server starts
+        stopping: once its health, ready before, turns not ready, the loop drains (DRAIN_S)."""
+        url, was_ready = health_url(), False
+        while not self.stopping:
+            time.sleep(HEALTH_POLL_S)
+            ready = server_ready(url)
+            if was_ready and not ready:
+                with self.lock:
+                    self.drain_deadline = time.monotonic() + DRAIN_S
+                    self.lock.notify()
+                pb_utils.Logger.log_info(
+                    f"speculative_decoding: the server is stopping; {DRAIN_S:.0f} s to finish"
+                )
+                return
+            was_ready = was_ready or ready
+
+    def _drained(self) -> bool:
+        """Past the drain deadline: ends every sequence left (under self.lock)."""
+        if self.drain_deadline is None or time.monotonic() < self.drain_deadline:
+            return False
+        for sequence in self.scheduler.fail_all("shutdown"):
+            code = pb_utils.TritonError.UNAVAILABLE
+            self._end(sequence, "shutdown", "server is shutting down", code)
+        self._record_state(self.scheduler.snapshot())
+        return True
+
     def _wait_for_server(self) -> bool:
-        url = f"http://127.0.0.1:{os.environ.get('SPECDEC_HTTP_PORT', '8000')}/v2/health/ready"
+        url = health_url()
         deadline = time.monotonic() + SERVER_WAIT_S
         while not self.stopping and time.monotonic() < deadline:
             if self.scheduler.has_work or server_ready(url):  # a request: it is ready
@@ -243,7 +286,7 @@ class TritonPythonModel:
                     default_stream_interval=self.stream_interval,
                 )
                 with self.lock:
-                    if self.stopping:
+                    if self.stopping or self.drain_deadline is not None:
                         raise QueueFull("server is shutting down")
                     sequences = self.scheduler.submit_all(generations)
                     open_request = OpenRequest(
@@ -312,8 +355,13 @@ class TritonPythonModel:
                     self.lock.wait()
                 if self.stopping:
                     return
+                drained = self._drained()
                 started = clock()
-                self._mark_cancelled(self.scheduler.snapshot())
+                if not drained:
+                    self._mark_cancelled(self.scheduler.snapshot())
+            if drained:
+                self._hand_over()
+                continue
             if self.work:  # cancelled streams hear so now, not after the step
                 self._hand_over()
             checked = clock()
