@@ -491,6 +491,26 @@ def test_cuda_graphs_need_cuda_and_the_torch_engine():
         create_engine("onnxruntime", TARGET, 1, 16, cuda_graphs=True)
 
 
+@pytest.mark.parametrize(
+    ("requested", "kind", "device", "expected"),
+    [
+        (None, "torch", "cuda", True),  # auto: on where the torch engine runs on CUDA
+        (None, "torch", "cuda:1", True),
+        (None, "torch", "cpu", False),
+        (None, "tensorrt", "cuda", False),
+        (None, "onnxruntime", "cpu", False),
+        (False, "torch", "cuda", False),
+        (True, "torch", "cuda", True),
+    ],
+)
+def test_cuda_graphs_auto_resolves_by_engine_and_device(requested, kind, device, expected):
+    from specdec.engines.select import resolve_cuda_graphs
+    from specdec.serving import settings
+
+    assert settings.CUDA_GRAPHS.read({}) is None  # the default is auto
+    assert resolve_cuda_graphs(requested, kind, device) is expected
+
+
 def test_the_pool_estimate_grows_with_the_largest_call(target):
     config = target.config
     small = graph_pool_bytes_estimate(config, 8, 5, torch.float32, 200)

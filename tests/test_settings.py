@@ -270,6 +270,7 @@ def test_the_loops_defaults_are_the_declared_ones():
         (settings.MAX_QUEUE, "0", 0),
         (settings.PREFILL_CHUNK, "0", None),
         (settings.CUDA_GRAPHS, "yes", True),
+        (settings.CUDA_GRAPHS, " Auto ", None),
         (settings.TARGET_ENGINE_DIR, "", ""),
     ],
 )
@@ -497,7 +498,7 @@ def test_the_engine_models_create_their_engines_from_their_settings(glue, monkey
                 device="cpu",
                 engine_dir=None,
                 dtype="float32",
-                cuda_graphs=False,
+                cuda_graphs=None,  # auto: create_engine resolves it
             ),
         ),
     ]
