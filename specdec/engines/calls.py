@@ -1,7 +1,15 @@
 """An engine call's work: the wire format in (specdec/engines/wire.py), tokens out, on any
 Engine (torch, onnxruntime or TensorRT; specdec/engines/engine.py). The engine models run
 these behind Triton (specdec/serving/engine_model.py); build/local_engines.py runs them with
-no Triton in between (unit tests, offline tools)."""
+no Triton in between (unit tests, offline tools).
+
+Where an engine offers padded programs (the torch engine with cuda_graphs: `call_graphs`,
+specdec/engines/graphs.py), a call's rows that fit one run there, the whole draft call
+(first forward, hindsight guesses, k steps) or the whole verify replayed as one CUDA graph,
+with one upload and one download. Rows are independent (each attends only its own slot),
+so the rest (prefill rows of more than MAX_BATCHED_QUERY tokens, rows asking for
+log-probabilities) run eagerly beside them, and the results are merged in row order. Every
+other engine runs each call eagerly: the draft one step at a time."""
 
 from __future__ import annotations
 
@@ -101,8 +109,10 @@ def _split(engine: Engine, batch: EngineBatch, role: str, eager: EagerCall) -> E
     takes run there and the others (prefill, log-probabilities) eagerly; the results are
     merged in row order."""
     graphs = offered_graphs(engine)
-    taken = fits(batch, role) if graphs is not None else np.zeros(len(batch.slot_ids), bool)
-    if graphs is None or not taken.any():
+    if graphs is None:
+        return eager(engine, batch)
+    taken = fits(batch, role)
+    if not taken.any():
         return eager(engine, batch)
     padded = _graph_target if role == "target" else _graph_draft
     if taken.all():

@@ -9,8 +9,15 @@ linear layers (where the time goes on CPU) see one matrix, and only attention ru
 Attention reads the slot cache in place: new keys and values are written into their slots
 (forward), and rows read them through a view of the slot range they span
 (`_batched_attention`, `_row_attention`); only rows scattered over far more slots than they
-fill read a copy of their own slots. On CUDA, `cuda_graphs` replays one-token decode steps
-from CUDA graphs (DecodeSteps).
+fill read a copy of their own slots.
+
+On CUDA, `cuda_graphs` runs the engine calls (calls.py) as padded programs replayed from
+CUDA graphs (graphs.py, CallGraphs): the target's verify and the draft's whole call, each
+one graph keyed by its shapes. They run the same decoder (`_decode`) through
+`padded_logits`: every row padded to the call's widest, padding rows in free slots,
+padding tokens writing spare positions past max_length (the cache reserves
+SPARE_POSITIONS per slot), masks made on the device. On the CPU the engine runs exact
+shapes eagerly; the padded programs run there only in tests (capture=False).
 
 Precision (`dtype`): the matrices (the head too), the attention and the KV cache compute in
 float32, bfloat16 or float16 (CUDA); the residual stream and the norms stay float32, and the
