@@ -518,6 +518,7 @@ def test_the_pool_estimate_grows_with_the_largest_call(target):
     assert graph_pool_bytes_estimate(config, 64, 5, torch.float32, 200) > 7 * small
     assert graph_pool_bytes_estimate(config, 8, 9, torch.float32, 200) > small
     assert CallGraphs(target, capture=False).pool_bytes() == 0
+    assert target.graph_pool_bytes() == 0  # no graphs
     assert graphs_module.SPARE_POSITIONS >= 9  # the widest row a test pads
 
 
@@ -545,4 +546,4 @@ def test_cuda_graph_calls_equal_eager_calls(dtype):
         programs = graphs.call_graphs.programs
         assert programs and all(p.graph is not None for p in programs.values())
         estimate = graph_pool_bytes_estimate(graphs.config, 8, 9, dtype, MAX_LENGTH)
-        assert 0 < graphs.call_graphs.pool_bytes() < 4 * estimate
+        assert 0 < graphs.graph_pool_bytes() < 4 * estimate

@@ -278,6 +278,10 @@ class LlamaEngine(SlotCache):
             ),
         }
 
+    def graph_pool_bytes(self) -> int:
+        """Bytes this engine's CUDA graphs hold in their shared pool (0 without graphs)."""
+        return 0 if self.call_graphs is None else self.call_graphs.pool_bytes()
+
     @classmethod
     def from_checkpoint(
         cls,
