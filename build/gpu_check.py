@@ -7,11 +7,12 @@ Each step is recorded with its outcome; a failed step does not stop the next one
 1. environment: GPU, CUDA, torch and TensorRT versions;
 2. cpu: the reference, in this process: the torch engine on the CPU in float32 decodes each
    prompt greedily, one token at a time, and keeps each token's top-2 logit gap;
-3. engines, in this process, no server: the torch engine's decode steps replayed from CUDA
-   graphs (cuda_graphs=True) against eager ones on the same inputs, float32 and bfloat16, at
-   1, half and all --num-slots rows (largest logit difference, argmax agreement, ms per
-   step); where `tensorrt` imports, the target's plan in --dtype: its logits must stay on the
-   GPU and follow the torch engine's (ms per step beside torch's);
+3. engines, in this process, no server: the torch engine's calls replayed from CUDA graphs
+   (cuda_graphs=True) against eager ones on the same inputs, float32 and bfloat16: a verify
+   of 5 tokens per row and a draft call at k = 4, at 1, half and all --num-slots rows
+   (tokens that agree, equal in float32; ms per call; the graphs' pool bytes beside its
+   estimate); where `tensorrt` imports, the target's plan in --dtype: its logits must stay
+   on the GPU and follow the torch engine's (ms per step beside torch's);
 4. cuda: the real Triton server (specdec.harness.ManagedServer) with the torch engine on CUDA;
 5. tensorrt, where `tensorrt` imports: plans of both models in --dtype (build time), then
    the server with ENGINE=tensorrt.
@@ -227,14 +228,11 @@ def tensorrt_step(config: GpuCheckConfig, prompts, reference) -> dict:
 
 
 # -- step 3: the engines in this process ------------------------------------------------------
-GRAPH_TOLERANCE = {"float32": 1e-3, "bfloat16": 1.0}  # |CUDA graph - eager| logits: padded
-# shapes may pick other kernels (bfloat16 rounds those differently); a wrong mask or slot
-# moves logits by whole units
 PLAN_TOLERANCE = 1.0  # |plan (float16 / bfloat16) - torch float32| logits of the target
 
 
 def engines_step(config: GpuCheckConfig, has_tensorrt: bool) -> dict:
-    """CUDA graphs against eager decode steps; a TensorRT plan's logits on the GPU."""
+    """CUDA graphs against eager calls; a TensorRT plan's logits on the GPU."""
     import torch
 
     from specdec.engines.llama import LlamaEngine
@@ -252,7 +250,7 @@ def engines_step(config: GpuCheckConfig, has_tensorrt: bool) -> dict:
             )
             for graphs in (False, True)
         ]
-        result["cuda_graphs"][dtype] = compare_decode_steps(*engines, GRAPH_TOLERANCE[dtype])
+        result["cuda_graphs"][dtype] = compare_call_graphs(*engines, exact=dtype == "float32")
         del engines
     if has_tensorrt and not config.skip_tensorrt:
         result["tensorrt"] = tensorrt_logits(config)
@@ -272,6 +270,81 @@ def prefill_all(engines, num_slots: int, length: int = 100) -> list[int]:
 
 def decode_rows(num_slots: int) -> list[int]:
     return sorted({1, max(1, num_slots // 2), num_slots})
+
+
+def compare_call_graphs(reference, candidate, exact: bool) -> dict:
+    """Verify (5 tokens per row) and draft (k = 4) calls of greedy rows on both engines from
+    the same cache: the share of tokens that agree (exact: all of them; bfloat16 may part at
+    near ties, padded shapes picking other kernels), ms per call of each, and the graphs'
+    pool bytes beside graph_pool_bytes_estimate."""
+    import numpy as np
+
+    from specdec.engines.calls import run_draft, run_target
+    from specdec.engines.graphs import SPARE_POSITIONS, graph_pool_bytes_estimate
+
+    cache_lengths = prefill_all([reference, candidate], reference.num_slots)
+    report: dict = {}
+    for rows in decode_rows(reference.num_slots):
+        for name, run, width, steps in (("verify", run_target, 5, 5), ("draft", run_draft, 1, 4)):
+            batch = greedy_batch(rows, width, steps, cache_lengths[0])
+            expected, got = run(reference, batch), run(candidate, batch)
+            agree = float(np.mean(expected.token_ids == got.token_ids))
+            report[f"{name}, {rows} rows"] = {
+                "tokens_equal": round(agree, 4),
+                "reference_ms": call_ms(reference, run, batch),
+                "candidate_ms": call_ms(candidate, run, batch),
+            }
+            if exact and agree < 1:
+                raise AssertionError(f"tokens differ at {name}, {rows} rows: {report}")
+    estimate = graph_pool_bytes_estimate(
+        candidate.config,
+        candidate.num_slots,
+        SPARE_POSITIONS,
+        candidate.dtype,
+        candidate.max_length,
+    )
+    report["pool_bytes"] = candidate.call_graphs.pool_bytes()
+    report["pool_bytes_estimate"] = estimate
+    return report
+
+
+def greedy_batch(rows: int, width: int, steps: int, cached: int):
+    """An engine call of `rows` greedy rows in slots 0.., `width` new tokens each after
+    `cached` positions, `steps` tokens asked of each."""
+    import numpy as np
+
+    from specdec.engines.wire import EngineBatch
+
+    def column(value, dtype) -> np.ndarray:
+        return np.full(rows, value, dtype=dtype)
+
+    return EngineBatch(
+        input_ids=(np.arange(rows * width) + 7).astype(np.int64),
+        input_lengths=column(width, np.int32),
+        slot_ids=np.arange(rows, dtype=np.int32),
+        cache_lengths=column(cached, np.int32),
+        num_steps=column(steps, np.int32),
+        temperature=column(0.0, np.float32),
+        top_k=column(0, np.int32),
+        top_p=column(1.0, np.float32),
+        end_ids=column(-1, np.int32),
+        min_tokens_left=column(0, np.int32),
+        seeds=column(0, np.int64),
+    )
+
+
+def call_ms(engine, run, batch, repeats: int = 20) -> float:
+    """Median ms of an engine call (the same positions rewritten each time); the first call
+    is a warm-up (a CUDA graph's capture). Each call waits for its tokens."""
+    import statistics
+
+    run(engine, batch)
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run(engine, batch)
+        seconds.append(time.perf_counter() - started)
+    return round(1000 * statistics.median(seconds), 3)
 
 
 def compare_decode_steps(reference, candidate, tolerance: float, num_steps: int = 8) -> dict:

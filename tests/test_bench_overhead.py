@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.engines.calls import LocalEngines
 from build.tiny_checkpoint import TinyConfig, shaped_like
 from build.tiny_checkpoint import run as build_tiny
+from specdec.engines.calls import LocalEngines
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.select import create_engine
 from specdec.loop.config import SchedulerConfig

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from specdec.client import generate
 from specdec.engines.calls import run_draft, run_target
 from specdec.engines.llama import LlamaEngine
-from specdec.client import generate
 from specdec.engines.wire import (
     EngineBatch,
     EngineResult,
@@ -20,7 +20,6 @@ from specdec.engines.wire import (
     encode_result,
 )
 from specdec.harness import ManagedServer
-
 
 NUM_SLOTS, MAX_CONTEXT = 4, 256
 

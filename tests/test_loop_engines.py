@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from build.greedy_parity import TIE_MARGIN, token_divergences
-from specdec.engines.calls import LocalEngines
 from conftest import DRAFT
+from specdec.engines.calls import LocalEngines
 from specdec.engines.coupling import perturbed_scores
 from specdec.engines.llama import LlamaEngine
 from specdec.engines.wire import EngineBatch, EngineResult

@@ -270,6 +270,7 @@ def test_the_loops_defaults_are_the_declared_ones():
         (settings.MAX_QUEUE, "0", 0),
         (settings.PREFILL_CHUNK, "0", None),
         (settings.CUDA_GRAPHS, "yes", True),
+        (settings.CUDA_GRAPHS, " Auto ", None),
         (settings.TARGET_ENGINE_DIR, "", ""),
     ],
 )
@@ -481,13 +482,11 @@ def test_the_bls_creates_both_engines_from_its_settings(glue, monkeypatch, tmp_p
     bls_model.create_engines(parameters)
     bls_model.create_engines({})
     common = dict(num_slots=8, max_length=512, device="cuda:1", dtype="bfloat16", cuda_graphs=True)
-    defaults = dict(
-        num_slots=64, max_length=2048, device="cpu", dtype="float32", cuda_graphs=False
-    )
+    defaults = dict(num_slots=64, max_length=2048, device="cpu", dtype="float32", cuda_graphs=None)
     assert calls == [
         (("onnxruntime", "/opt/draft"), {**common, "engine_dir": "/opt/engines/draft"}),
         (("onnxruntime", "/opt/target"), {**common, "engine_dir": "/opt/engines/target"}),
-        # nothing set: the declared defaults
+        # nothing set: the declared defaults (cuda_graphs auto: create_engine resolves it)
         (("torch", str(tmp_path / "models/smollm2-135m-draft")), {**defaults, "engine_dir": None}),
         (
             ("torch", str(tmp_path / "models/smollm2-135m-instruct")),

@@ -1,18 +1,36 @@
 """An engine call's work: the wire format in (specdec/engines/wire.py), tokens out, on any
 Engine (torch, onnxruntime or TensorRT; specdec/engines/engine.py). `LocalEngines` holds the
 draft and the target engine in the caller's process: the loop's BLS model
-(specdec/serving/bls_model.py), unit tests and offline tools."""
+(specdec/serving/bls_model.py), unit tests and offline tools.
+
+Where an engine offers padded programs (the torch engine with cuda_graphs: `call_graphs`,
+specdec/engines/graphs.py), a call's rows that fit one run there, the whole draft call
+(first forward, hindsight guesses, k steps) or the whole verify replayed as one CUDA graph,
+with one upload and one download. Rows are independent (each attends only its own slot),
+so the rest (prefill rows of more than MAX_BATCHED_QUERY tokens, rows asking for
+log-probabilities) run eagerly beside them, and the results are merged in row order. Every
+other engine runs each call eagerly: the draft one step at a time."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import fields
 
 import numpy as np
 import torch
 
 from specdec.engines.engine import Engine
+from specdec.engines.graphs import CallGraphs, fits
 from specdec.engines.sampling import RowSampling, choose_tokens
-from specdec.engines.wire import EngineBatch, EngineResult, hindsight_lengths
+from specdec.engines.wire import (
+    OPTIONAL_BATCH_FIELDS,
+    EngineBatch,
+    EngineResult,
+    hindsight_lengths,
+)
+
+EagerCall = Callable[[Engine, EngineBatch], EngineResult]
 
 
 def rows_sampling(
@@ -71,6 +89,103 @@ def run_target(engine: Engine, batch: EngineBatch) -> EngineResult:
     """Appends the rows' tokens and chooses the target's token at their last num_steps
     positions."""
     apply_copies(engine, batch)
+    return _split(engine, batch, "target", _eager_target)
+
+
+def run_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
+    """Appends the rows' tokens, guesses the last fed ones in hindsight, then proposes
+    num_steps tokens per row (0: none), one step at a time."""
+    apply_copies(engine, batch)
+    return _split(engine, batch, "draft", _eager_draft)
+
+
+def offered_graphs(engine: Engine) -> CallGraphs | None:
+    """The engine's padded programs, where it has them (the torch engine with
+    cuda_graphs); every other engine runs its calls eagerly."""
+    return getattr(engine, "call_graphs", None)
+
+
+def _split(engine: Engine, batch: EngineBatch, role: str, eager: EagerCall) -> EngineResult:
+    """Rows are independent (each attends only its own slot), so the rows a padded program
+    takes run there and the others (prefill, log-probabilities) eagerly; the results are
+    merged in row order."""
+    graphs = offered_graphs(engine)
+    if graphs is None:
+        return eager(engine, batch)
+    taken = fits(batch, role)
+    if not taken.any():
+        return eager(engine, batch)
+    padded = _graph_target if role == "target" else _graph_draft
+    if taken.all():
+        return padded(graphs, batch)
+    rows = [np.nonzero(taken)[0], np.nonzero(~taken)[0]]
+    parts = [
+        padded(graphs, select_rows(batch, rows[0])),
+        eager(engine, select_rows(batch, rows[1])),
+    ]
+    return merge_results(batch, rows, parts)
+
+
+def select_rows(batch: EngineBatch, rows: np.ndarray) -> EngineBatch:
+    """The batch's rows `rows` (in that order) as a batch of their own, without the slot
+    copies (the call made them first)."""
+    starts = np.cumsum(batch.input_lengths) - batch.input_lengths
+    tokens = [batch.input_ids[starts[r] : starts[r] + batch.input_lengths[r]] for r in rows]
+    per_row = {
+        f.name: getattr(batch, f.name)[rows]
+        for f in fields(EngineBatch)
+        if f.name != "input_ids" and f.name not in OPTIONAL_BATCH_FIELDS
+    }
+    selected = EngineBatch(input_ids=np.concatenate(tokens), **per_row)
+    if batch.return_log_probs.size:
+        selected.return_log_probs = batch.return_log_probs[rows]
+    return selected
+
+
+def merge_results(
+    batch: EngineBatch, rows: list[np.ndarray], parts: list[EngineResult]
+) -> EngineResult:
+    """One call's result from the results of its parts (part i: the batch's rows rows[i])."""
+    result = _empty_result(batch)
+    num_rows, width = result.token_ids.shape
+    if any(part.hindsight_hits.size for part in parts):
+        result.hindsight_hits = np.zeros(num_rows, dtype=np.int64)
+    if any(part.log_probs.size for part in parts):
+        result.log_probs = np.zeros((num_rows, width), dtype=np.float32)
+    for part_rows, part in zip(rows, parts, strict=True):
+        result.token_ids[part_rows, : part.token_ids.shape[1]] = part.token_ids
+        if part.hindsight_hits.size:
+            result.hindsight_hits[part_rows] = part.hindsight_hits
+        if part.log_probs.size:
+            result.log_probs[part_rows, : part.log_probs.shape[1]] = part.log_probs
+    return result
+
+
+def _graph_target(graphs: CallGraphs, batch: EngineBatch) -> EngineResult:
+    """run_target's tokens from the target's padded program."""
+    width = int(batch.num_steps.max())
+    tokens = graphs.run("target", batch)[:, :width]
+    own = np.arange(width) < batch.num_steps[:, None]
+    return EngineResult(token_ids=np.where(own, tokens, -1).astype(np.int32))
+
+
+def _graph_draft(graphs: CallGraphs, batch: EngineBatch) -> EngineResult:
+    """run_draft's tokens and hindsight hits from the draft's padded program."""
+    result = _empty_result(batch)
+    width = result.token_ids.shape[1]
+    output = graphs.run("draft", batch)  # (B, k [+ fed tokens])
+    own = np.arange(width) < batch.num_steps[:, None]
+    result.token_ids[:] = np.where(own, output[:, :width], -1)
+    hindsight = hindsight_lengths(batch.input_lengths, batch.temperature)
+    if hindsight.max(initial=0) > 0:
+        guesses = output[:, max(width, 1) :]  # (B, widest row): after each fed token
+        result.hindsight_hits = _hindsight_hits(
+            batch, hindsight, lambda r: guesses[r, : batch.input_lengths[r]]
+        )
+    return result
+
+
+def _eager_target(engine: Engine, batch: EngineBatch) -> EngineResult:
     result = _empty_result(batch)
     logits = engine.forward(
         torch.from_numpy(batch.input_ids.astype(np.int64)),
@@ -92,10 +207,7 @@ def run_target(engine: Engine, batch: EngineBatch) -> EngineResult:
     return result
 
 
-def run_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
-    """Appends the rows' tokens, guesses the last fed ones in hindsight, then proposes
-    num_steps tokens per row (0: none), one step at a time."""
-    apply_copies(engine, batch)
+def _eager_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
     result = _empty_result(batch)
     cache_lengths = (batch.cache_lengths + batch.input_lengths).astype(np.int64)
     hindsight = hindsight_lengths(batch.input_lengths, batch.temperature)
@@ -108,7 +220,8 @@ def run_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
     )  # (sum(hindsight + 1), V): the hindsight positions, then each row's last position
     ends = np.cumsum(hindsight + 1)
     if hindsight.max(initial=0) > 0:
-        result.hindsight_hits = _hindsight_hits(batch, logits, hindsight, ends)
+        guesses = logits.argmax(dim=-1).cpu().numpy()
+        result.hindsight_hits = _hindsight_hits(batch, hindsight, lambda r: guesses[: ends[r]])
     rows = np.nonzero(batch.num_steps > 0)[0]
     logits = logits[torch.from_numpy(ends[rows] - 1).to(logits.device)]  # (rows, V)
     for step in range(int(batch.num_steps.max(initial=0))):
@@ -131,19 +244,18 @@ def run_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
 
 
 def _hindsight_hits(
-    batch: EngineBatch, logits: torch.Tensor, hindsight: np.ndarray, ends: np.ndarray
+    batch: EngineBatch, hindsight: np.ndarray, guesses: Callable[[int], np.ndarray]
 ) -> np.ndarray:
     """(B,) int64 bit masks: the draft's argmax after each of a catching-up row's fed tokens
-    against the fed token that followed it (see EngineResult.hindsight_hits)."""
-    guesses = logits.argmax(dim=-1).cpu().numpy()
+    against the fed token that followed it (see EngineResult.hindsight_hits). guesses(r):
+    row r's argmax after each of its fed tokens, up to its last."""
     starts = np.cumsum(batch.input_lengths) - batch.input_lengths
     hits = np.zeros(len(batch.slot_ids), dtype=np.int64)
     for r in np.nonzero(hindsight)[0]:
         n = int(hindsight[r])
-        guessed = guesses[ends[r] - 1 - n : ends[r] - 1]
-        fed = batch.input_ids[
-            starts[r] + batch.input_lengths[r] - n : starts[r] + batch.input_lengths[r]
-        ]
+        guessed = guesses(r)[-1 - n : -1]
+        end = starts[r] + batch.input_lengths[r]
+        fed = batch.input_ids[end - n : end]
         hits[r] = int(sum(1 << j for j in np.nonzero(guessed == fed)[0]))
     return hits
 

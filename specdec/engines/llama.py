@@ -9,8 +9,15 @@ linear layers (where the time goes on CPU) see one matrix, and only attention ru
 Attention reads the slot cache in place: new keys and values are written into their slots
 (forward), and rows read them through a view of the slot range they span
 (`_batched_attention`, `_row_attention`); only rows scattered over far more slots than they
-fill read a copy of their own slots. On CUDA, `cuda_graphs` replays one-token decode steps
-from CUDA graphs (DecodeSteps).
+fill read a copy of their own slots.
+
+On CUDA, `cuda_graphs` runs the engine calls (calls.py) as padded programs replayed from
+CUDA graphs (graphs.py, CallGraphs): the target's verify and the draft's whole call, each
+one graph keyed by its shapes. They run the same decoder (`_decode`) through
+`padded_logits`: every row padded to the call's widest, padding rows in free slots,
+padding tokens writing spare positions past max_length (the cache reserves
+SPARE_POSITIONS per slot), masks made on the device. On the CPU the engine runs exact
+shapes eagerly; the padded programs run there only in tests (capture=False).
 
 Precision (`dtype`): the matrices (the head too), the attention and the KV cache compute in
 float32, bfloat16 or float16 (CUDA); the residual stream and the norms stay float32, and the
@@ -31,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engines.engine import MAX_BATCHED_QUERY, SlotCache, check_rows, full_vocabulary
+from specdec.engines.graphs import SPARE_POSITIONS, CallGraphs
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -149,7 +157,6 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Top logits per position that the head recomputes in float32 below float32 (head_logits):
 # the true top two are among them unless more than this many round to the same top value.
 RESCORED_LOGITS = 16
-MIN_KEYS_BUCKET = 128  # the fewest key positions a CUDA graph's decode step attends over
 
 
 class LayerWeights(TypedDict):
@@ -209,7 +216,8 @@ class LlamaEngine(SlotCache):
         in (float32, bfloat16; float16 on CUDA only). The residual stream and the norms stay
         float32 in every dtype (see forward); below float32 each position's top
         RESCORED_LOGITS logits are recomputed in float32 (head_logits).
-        cuda_graphs (CUDA only): one-token decode steps replay CUDA graphs (DecodeSteps)."""
+        cuda_graphs (CUDA only): the calls of calls.py run as padded programs replayed from
+        CUDA graphs (call_graphs: graphs.CallGraphs)."""
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype {dtype}: expected one of {COMPUTE_DTYPES}")
         if dtype == torch.float16 and torch.device(device).type == "cpu":
@@ -244,11 +252,11 @@ class LlamaEngine(SlotCache):
             self.head_token_ids = self.head_token_ids.to(self.device).long()
         self.final_norm = vector("model.norm.weight")
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
-        # One spare position past max_length: the padding rows of a CUDA graph's decode step
-        # write their keys and values there (DecodeSteps); nothing ever reads it.
-        super().__init__(config, num_slots, max_length + 1, dtype, self.device)
+        # Spare positions past max_length: a padded call's padding tokens write their keys
+        # and values there (graphs.py); nothing ever reads them.
+        super().__init__(config, num_slots, max_length + SPARE_POSITIONS, dtype, self.device)
         self.inv_freq = rope_inv_freq(config).to(self.device)
-        self.decode_steps = DecodeSteps(self) if cuda_graphs else None
+        self.call_graphs = CallGraphs(self) if cuda_graphs else None
 
     def _layer(self, weights: dict[str, torch.Tensor], i: int) -> LayerWeights:
         """Layer i's matrices in the compute dtype (q, k, v as one; gate, up as one)."""
@@ -269,6 +277,10 @@ class LlamaEngine(SlotCache):
                 self.device, torch.float32
             ),
         }
+
+    def graph_pool_bytes(self) -> int:
+        """Bytes this engine's CUDA graphs hold in their shared pool (0 without graphs)."""
+        return 0 if self.call_graphs is None else self.call_graphs.pool_bytes()
 
     @classmethod
     def from_checkpoint(
@@ -429,8 +441,6 @@ class LlamaEngine(SlotCache):
     ) -> torch.Tensor:
         """Appends the rows' tokens to their slots; returns (sum(num_logits), V) logits."""
         check_rows(input_lengths, cache_lengths, num_logits, self.max_length)
-        if self.decode_steps is not None and self.decode_steps.fits(input_lengths, num_logits):
-            return self.decode_steps.run(input_ids, slot_ids, cache_lengths)
         lengths = np.asarray(input_lengths, dtype=np.int64)
         ends = np.cumsum(lengths)
         row_starts = ends - lengths
@@ -449,33 +459,55 @@ class LlamaEngine(SlotCache):
         picks = torch.from_numpy(np.arange(int(wanted.sum())) + shifts).to(self.device)
         return self._decode(input_ids.to(self.device), positions, token_slots, plan, picks)
 
-    def _padded_decode(self, step: DecodeStep) -> torch.Tensor:
-        """(step.rows, V) logits of a padded decode step (DecodeSteps), from its inputs
-        alone: the masks are made on the device, so a graph replays the step whole."""
+    def key_limits(self, positions: torch.Tensor) -> torch.Tensor:
+        """The last key position each token of a padded call sees: its own; a padding
+        token's (past max_length) key 0, so its softmax stays finite."""
+        return torch.where(positions < self.max_length, positions, 0)
+
+    def padded_logits(
+        self,
+        input_ids: torch.Tensor,  # (rows * width,) every row's tokens, padded to width
+        positions: torch.Tensor,  # (rows * width,) past max_length: a padding token
+        row_slots: torch.Tensor,  # (rows,) distinct slots
+        width: int,
+        keys: int,  # key positions attended over (masked past each token's own)
+        picks: torch.Tensor | None,  # (M,) the tokens whose logits are returned; None: all
+    ) -> torch.Tensor:
+        """(M, V) logits of a padded call (graphs.py), from its inputs alone: the masks
+        are made on the device, so a CUDA graph replays it whole. Attention is in place
+        (a view of every slot, each row's queries in its own slot's place) where the rows
+        fill at least half the slots, else over a copy of their slots (a graph cannot
+        follow the slot range a call happens to span)."""
         c = self.config
         group = c.num_heads // c.num_kv_heads
-        input_ids, positions, slots, last_keys = step.inputs
-        limits = last_keys  # (span,): the last key position each place of the layout sees
-        slot_range: slice | torch.Tensor = slots
-        span, dests = step.rows, step.row_index
-        order: torch.Tensor | None = step.row_index
-        if step.in_place:  # every slot's place; slots no row holds see key 0 (never read)
-            span, dests, order, slot_range = self.num_slots, slots, None, slice(0, self.num_slots)
-            limits = last_keys.new_zeros(span).index_copy_(0, slots, last_keys)
-        allowed = torch.arange(step.keys, device=self.device)[None, :] <= limits[:, None]
-        mask = torch.zeros(span, 1, group, step.keys, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed[:, None, None, :], -math.inf)  # (span, 1, group, keys)
+        rows, device = row_slots.shape[0], self.device
+        steps = torch.arange(width, device=device)
+        token_slots = row_slots[:, None].expand(rows, width).reshape(-1)
+        limits = self.key_limits(positions).view(rows, width)
+        index = torch.arange(rows * width, device=device)
+        span, dests = rows, index
+        order: torch.Tensor | None = index
+        slots_read: slice | torch.Tensor = row_slots
+        in_place = 2 * rows >= self.num_slots
+        if in_place:  # slots no row holds see key 0 (never read)
+            span, order, slots_read = self.num_slots, None, slice(0, self.num_slots)
+            dests = (row_slots[:, None] * width + steps).reshape(-1)
+            limits = limits.new_zeros(span, width).index_copy_(0, row_slots, limits)
+        allowed = torch.arange(keys, device=device) <= limits[:, :, None]  # (span, width, keys)
+        mask = torch.zeros(span, 1, group, width, keys, dtype=self.dtype, device=device)
+        mask.masked_fill_(~allowed[:, None, None], -math.inf)
         attention = BatchedAttention(
-            slots=slot_range,
+            slots=slots_read,
             span=span,
-            width=1,
-            keys=step.keys,
-            sources=step.row_index,
+            width=width,
+            keys=keys,
+            sources=index,
             dests=dests,
-            mask=mask,
+            mask=mask.view(span, 1, group * width, keys),
             order=order,
         )
-        return self._decode(input_ids, positions, slots, AttentionPlan([attention], []), None)
+        plan = AttentionPlan([attention], [])
+        return self._decode(input_ids, positions, token_slots, plan, picks)
 
     def _decode(
         self, input_ids, positions, token_slots, plan: AttentionPlan, picks
@@ -483,7 +515,7 @@ class LlamaEngine(SlotCache):
         """The decoder over packed tokens (N,) at `positions` of slots `token_slots`: writes
         their keys and values, attends as `plan` says, and returns the logits of the tokens
         `picks` selects ((M,) indices; None: every token) as (M, V). Nothing here waits for
-        the device, so a CUDA graph can capture it (DecodeSteps)."""
+        the device, so a CUDA graph can capture it (graphs.py)."""
         c = self.config
         n = input_ids.shape[0]
         cos, sin = self._rope(positions)
@@ -515,118 +547,3 @@ class LlamaEngine(SlotCache):
         h = rms_norm(x if picks is None else x[picks], self.final_norm, c.rms_norm_eps)
         logits = self.head_logits(h)  # (M, V or head size)
         return full_vocabulary(logits, self.head_token_ids, c.vocab_size)  # (M, V)
-
-
-def rows_bucket(rows: int, num_slots: int) -> int:
-    """The rows a decode step is padded to: the next power of two, at most num_slots."""
-    return min(1 << (rows - 1).bit_length(), num_slots)
-
-
-def keys_bucket(keys: int, max_length: int) -> int:
-    """The key positions a decode step attends over: the next power of two from
-    MIN_KEYS_BUCKET, at most max_length (positions past a row's own are masked)."""
-    return min(max(MIN_KEYS_BUCKET, 1 << (keys - 1).bit_length()), max_length)
-
-
-@dataclass
-class DecodeStep:
-    """One padded decode step's fixed shapes and its inputs, in place for a CUDA graph."""
-
-    rows: int  # padded rows: a rows_bucket
-    keys: int  # key positions attended over: a keys_bucket
-    in_place: bool  # attend over a view of every slot (else over a copy of the rows' slots)
-    # (4, rows) int64 on the device: token ids, positions, slots, and each row's last key
-    # position (its new token's; 0 for a padding row). One host-to-device copy fills it.
-    inputs: torch.Tensor
-    row_index: torch.Tensor  # (rows,) 0..rows-1 on the device
-    graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # (rows, V): where the graph writes its output
-
-
-class DecodeSteps:
-    """Decode steps (every row adds one token and asks for its logits) replayed from CUDA
-    graphs: without them each step launches every kernel of every layer from Python, which
-    costs more than the arithmetic of a small model on a GPU.
-
-    A graph fixes shapes, so a step is padded: to rows_bucket(rows) rows (padding rows take
-    slots no row of the step holds, write their keys and values to the spare position past
-    max_length, and their logits are dropped) and to keys_bucket(longest + 1) key positions
-    (masked past each row's own). The graph of each (rows, keys) pair is captured on first
-    use (torch.cuda.CUDAGraph, all graphs in one memory pool) and replayed once its inputs
-    are filled. Attention is in place as in eager mode where the padded rows fill at least
-    half the slots: over a view of the whole slot cache, each row's queries in its own
-    slot's place; sparser steps attend over a copy of their rows' slots (a graph cannot
-    follow the slot range a step happens to span). The logits returned are a copy: the next
-    replay rewrites the graph's output.
-
-    capture=False runs the same padded step without graphs (tests/test_decode_steps.py
-    checks the padding and masks on the CPU; a CUDA test compares replayed logits with eager
-    ones)."""
-
-    def __init__(self, engine: LlamaEngine, capture: bool = True) -> None:
-        self.engine = engine
-        self.capture = capture
-        self.steps: dict[tuple[int, int], DecodeStep] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-
-    def fits(self, input_lengths: list[int], num_logits: list[int]) -> bool:
-        rows = len(input_lengths)
-        one_token = all(n == 1 for n in input_lengths) and all(n == 1 for n in num_logits)
-        return one_token and 0 < rows <= self.engine.num_slots
-
-    def run(self, input_ids: torch.Tensor, slot_ids: list[int], cache_lengths: list[int]):
-        """(rows, V) logits of one decode step: each row's token appended to its slot."""
-        engine, rows = self.engine, len(slot_ids)
-        key = (
-            rows_bucket(rows, engine.num_slots),
-            keys_bucket(max(cache_lengths) + 1, engine.max_length),
-        )
-        step = self.steps.get(key) or self._prepare(*key)
-        taken = set(slot_ids)
-        padding = [s for s in range(engine.num_slots) if s not in taken][: step.rows - rows]
-        host = torch.zeros(4, step.rows, dtype=torch.int64)
-        host[1] = engine.max_length  # padding rows: the spare position; last key 0
-        host[1, :rows] = torch.tensor(cache_lengths)
-        host[2] = torch.tensor(list(slot_ids) + padding)
-        host[3, :rows] = torch.tensor(cache_lengths)
-        step.inputs[1:].copy_(host[1:])
-        step.inputs[0, :rows].copy_(input_ids)  # a padding row's token: any id will do
-        if step.graph is None:
-            return engine._padded_decode(step)[:rows]
-        step.graph.replay()
-        assert step.logits is not None
-        return step.logits[:rows].clone()
-
-    def _prepare(self, rows: int, keys: int) -> DecodeStep:
-        engine = self.engine
-        device = engine.device
-        inputs = torch.zeros(4, rows, dtype=torch.int64, device=device)
-        inputs[1] = engine.max_length  # every row a padding row until a step fills them
-        inputs[2] = torch.arange(rows, device=device)
-        step = DecodeStep(
-            rows=rows,
-            keys=keys,
-            in_place=2 * rows >= engine.num_slots,
-            inputs=inputs,
-            row_index=torch.arange(rows, device=device),
-        )
-        if self.capture:
-            self._capture(step)
-        self.steps[(rows, keys)] = step
-        return step
-
-    def _capture(self, step: DecodeStep) -> None:
-        """Warms up on a side stream (cuBLAS handles, kernel choices), then captures. The
-        step's inputs are all padding rows meanwhile: nothing but spare positions is
-        written."""
-        engine = self.engine
-        side = torch.cuda.Stream(engine.device)
-        side.wait_stream(torch.cuda.current_stream(engine.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                engine._padded_decode(step)
-        torch.cuda.current_stream(engine.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step.logits = engine._padded_decode(step)
-        step.graph = graph

@@ -10,11 +10,11 @@ target sample with the same noise and only token ids leave the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.engines.coupling import gumbel_argmax
+from specdec.engines.coupling import gumbel_argmax, gumbel_argmax_dense
 
 
 @dataclass
@@ -43,23 +43,58 @@ def block_end_tokens(logits: torch.Tensor, sampling: RowSampling) -> torch.Tenso
     return logits
 
 
-def sampling_scores(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
+def block_end_tokens_dense(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
+    """block_end_tokens without reading the device (a CUDA graph): every row's end logit is
+    rewritten, to itself where it is not blocked."""
+    blocked = sampling.block_end & (sampling.end_id >= 0)  # (R,)
+    end_ids = sampling.end_id.clamp(min=0)[:, None]  # (R, 1)
+    kept = logits.gather(1, end_ids)
+    return logits.scatter(1, end_ids, kept.masked_fill(blocked[:, None], float("-inf")))
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which filters a call runs, decided without reading the device (a CUDA graph fixes
+    them): top_k_size, the width of the top-k that finds each row's k-th score (0: no row
+    uses top-k); top_p, whether some row uses top-p."""
+
+    top_k_size: int
+    top_p: bool
+
+
+def read_filters(sampling: RowSampling, vocab_size: int) -> Filters:
+    """The filters of `sampling`'s rows, read from the device (eager calls)."""
+    size = int(sampling.top_k.max().clamp(min=0, max=vocab_size)) if len(sampling.top_k) else 0
+    return Filters(size, bool((sampling.top_p < 1).any()))
+
+
+def sampling_scores(
+    logits: torch.Tensor, sampling: RowSampling, filters: Filters | None = None
+) -> torch.Tensor:
     """(R, V) logits -> (R, V) float32 log-probabilities of the target distribution up to a
     constant per row: temperature, top-k and top-p applied, filtered tokens -inf.
 
-    Rows must have temperature > 0.
+    Rows must have temperature > 0. filters None: read from `sampling` (read_filters);
+    given, nothing here reads the device, so a CUDA graph can capture it.
     """
-    scores = block_end_tokens(logits.float(), sampling) / sampling.temperature[:, None]
-    top_k = sampling.top_k
-    if bool((top_k > 0).any()):
-        k = torch.where(top_k > 0, top_k, scores.shape[-1]).clamp(max=scores.shape[-1])
-        kth = scores.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])  # (R, 1)
+    dense = filters is not None
+    filters = filters or read_filters(sampling, logits.shape[-1])
+    block = block_end_tokens_dense if dense else block_end_tokens
+    scores = block(logits.float(), sampling) / sampling.temperature[:, None]
+    if filters.top_k_size:
+        k = torch.where(sampling.top_k > 0, sampling.top_k, scores.shape[-1])
+        k = k.clamp(max=filters.top_k_size)  # rows without top-k keep every token
+        top = scores.topk(filters.top_k_size, dim=-1).values
+        kth = top.gather(-1, (k - 1)[:, None])  # (R, 1)
+        kth = kth.masked_fill((sampling.top_k <= 0)[:, None], float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if bool((sampling.top_p < 1).any()):
+    if filters.top_p:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_scores, dim=-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
         drop_sorted = mass_before >= sampling.top_p[:, None]  # the first token always stays
+        # top_p 1 is off: rounding must not drop a tail token whose mass before reads 1
+        drop_sorted &= (sampling.top_p < 1)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores
@@ -111,3 +146,26 @@ def choose_tokens(
                 picked = chosen.gather(-1, tokens[rows[asked]][:, None]).squeeze(-1)
                 log_probs[rows[asked]] = picked
     return tokens, log_probs
+
+
+def choose_tokens_dense(
+    logits: torch.Tensor,  # (R, V)
+    sampling: RowSampling,
+    seeds: torch.Tensor,  # (R,) int64
+    positions: torch.Tensor,  # (R,) int64
+    filters: Filters | None,  # None: every row is greedy
+) -> torch.Tensor:
+    """(R,) int64: choose_tokens' tokens, bit for bit, with work that does not depend on
+    the values (a CUDA graph captures it): every row is scored both ways and keeps its own,
+    and sampled rows make all their noise (gumbel_argmax_dense)."""
+    blocked = block_end_tokens_dense(logits.float(), sampling)
+    greedy_tokens = blocked.argmax(dim=-1)
+    if filters is None:
+        return greedy_tokens
+    sampled = sampling.temperature > 0
+    # A greedy row's temperature 0 would make its unused scores NaN.
+    temperature = torch.where(sampled, sampling.temperature, 1.0)
+    unit = replace(sampling, temperature=temperature)
+    scores = sampling_scores(logits, unit, filters)
+    drawn = gumbel_argmax_dense(scores, seeds, positions)
+    return torch.where(sampled, drawn, greedy_tokens)

@@ -1,8 +1,8 @@
 """The engine a draft_model / target_model instance runs, chosen by its `engine` parameter.
 
 - `torch`: specdec/engines/llama.py on `device` ("cpu" or "cuda"): the reference, and the GPU
-  fallback where TensorRT is not installed; on CUDA, `cuda_graphs` replays its one-token
-  decode steps from CUDA graphs.
+  fallback where TensorRT is not installed; on CUDA, `cuda_graphs` replays its calls from
+  CUDA graphs (specdec/engines/graphs.py): on by default there (resolve_cuda_graphs).
 - `onnxruntime`: the exported graph (specdec/engines/onnx_engine.py); exported from the checkpoint
   into `engine_dir` (default .run/engines/<checkpoint name>/onnx-float32) when missing or stale.
 - `tensorrt`: a TensorRT plan of that graph (specdec/engines/trt_engine.py), GPU only; built
@@ -113,6 +113,15 @@ def engine_dtype(
     return resolve_dtype(requested, device, cpuinfo, cuda_bf16)
 
 
+def resolve_cuda_graphs(requested: bool | None, kind: str, device: str) -> bool:
+    """Whether engine `kind` on `device` replays CUDA graphs for CUDA_GRAPHS `requested`
+    (None: auto, on where the torch engine runs on CUDA; True elsewhere is refused by
+    create_engine and LlamaEngine)."""
+    if requested is None:
+        return kind == "torch" and device.split(":")[0] == "cuda"
+    return requested
+
+
 def create_engine(
     kind: str,
     checkpoint: str | Path,
@@ -121,14 +130,16 @@ def create_engine(
     device: str = "cpu",
     engine_dir: str | Path | None = None,
     dtype: str = "float32",
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | None = False,
 ) -> Engine:
     """The engine `kind` (ENGINES) over `checkpoint`: LlamaEngine, OnnxEngine or TrtEngine.
     dtype: DTYPES; the one chosen is written to stderr (the server's log), so a user sees
-    what `auto` picked. cuda_graphs: the torch engine on CUDA only (LlamaEngine)."""
+    what `auto` picked. cuda_graphs: the torch engine on CUDA only (LlamaEngine); None:
+    auto (resolve_cuda_graphs)."""
     if kind not in ENGINES:
         raise ValueError(f"engine {kind!r}: expected one of {', '.join(ENGINES)}")
     check_dtype(dtype)
+    cuda_graphs = resolve_cuda_graphs(cuda_graphs, kind, device)
     if cuda_graphs and kind != "torch":
         raise ValueError(f"cuda_graphs applies to the torch engine on CUDA, not to {kind}")
     if kind == "tensorrt":

@@ -128,7 +128,7 @@ class EngineResult:
 class Engines(Protocol):
     """The loop's two engine calls: the engine models over Triton
     (specdec/serving/bls_model.py) or both engines in this process
-    (build/local_engines.py)."""
+    (LocalEngines in specdec/engines/calls.py)."""
 
     def draft(self, batch: EngineBatch) -> EngineResult: ...
     def target(self, batch: EngineBatch) -> EngineResult: ...

@@ -81,14 +81,9 @@ def server_ready(url: str) -> bool:
 def create_engines(params: dict[str, str]) -> LocalEngines:
     """The draft and the target engine, in this process, from the model's settings: one
     process, one CUDA context, and no Triton round trip per engine call."""
-    shared = dict(
-        num_slots=settings.NUM_SLOTS.read(params),
-        max_length=settings.MAX_CONTEXT.read(params),
-        device=settings.DEVICE.read(params),
-        dtype=settings.DTYPE.read(params),
-        cuda_graphs=settings.CUDA_GRAPHS.read(params),
-    )
-    kind = settings.ENGINE.read(params)
+    kind, device = settings.ENGINE.read(params), settings.DEVICE.read(params)
+    dtype, cuda_graphs = settings.DTYPE.read(params), settings.CUDA_GRAPHS.read(params)
+    num_slots, max_length = settings.NUM_SLOTS.read(params), settings.MAX_CONTEXT.read(params)
     engines = []
     for checkpoint, engine_dir in (
         (settings.DRAFT_CHECKPOINT, settings.DRAFT_ENGINE_DIR),
@@ -99,8 +94,12 @@ def create_engines(params: dict[str, str]) -> LocalEngines:
             create_engine(
                 kind,
                 resolve_path(checkpoint.read(params)),
+                num_slots=num_slots,
+                max_length=max_length,
+                device=device,
                 engine_dir=resolve_path(folder) if folder else None,
-                **shared,
+                dtype=dtype,
+                cuda_graphs=cuda_graphs,
             )
         )
     return LocalEngines(*engines)

@@ -191,6 +191,17 @@ def parse_response_thread(name: str, value: str) -> bool | None:
         raise ValueError(f"{name}: expected auto, true or false, got {value!r}") from None
 
 
+def parse_cuda_graphs(name: str, value: str) -> bool | None:
+    """cuda_graphs: true, false, or auto (None: decided where the engine is created,
+    specdec/engines/select.py resolve_cuda_graphs)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return parse_bool(name, value)
+    except ValueError:
+        raise ValueError(f"{name}: expected auto, true or false, got {value!r}") from None
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, as a container's cpuset limits it)."""
     try:
@@ -364,9 +375,10 @@ CUDA_GRAPHS = Setting(
     "CUDA_GRAPHS",
     "cuda_graphs",
     (BLS_MODEL,),
-    "false",
-    parse_bool,
-    "`true`: the torch engine on CUDA replays its one-token decode steps as CUDA graphs",
+    "auto",
+    parse_cuda_graphs,
+    "`true`: the torch engine on CUDA replays its calls as CUDA graphs; `auto`: on where "
+    "the torch engine runs on CUDA",
 )
 DRAFT_ENGINE_DIR = Setting(
     "DRAFT_ENGINE_DIR",

@@ -180,6 +180,22 @@ MUTANTS = [
         "ngram_match_lengths=SchedulerConfig.ngram_match_lengths,",
         tests=("tests/test_settings.py::test_the_bls_builds_its_loop_from_its_settings",),
     ),
+    Mutant(
+        "padding-writes-real-positions",
+        "a padded call's padding tokens write the first positions of their slots",
+        "specdec/engines/graphs.py",
+        "return torch.where(real, own, self.engine.max_length + steps).reshape(-1)",
+        "return torch.where(real, own, steps).reshape(-1)",
+        tests=("tests/test_call_graphs.py",),
+    ),
+    Mutant(
+        "draft-steps-past-num-steps",
+        "a padded draft call feeds rows past their num_steps at real positions",
+        "specdec/engines/graphs.py",
+        "at = torch.where(active, base + step - 1, engine.max_length)",
+        "at = base + step - 1",
+        tests=("tests/test_call_graphs.py",),
+    ),
 ]
 
 
