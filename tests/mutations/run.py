@@ -180,6 +180,14 @@ MUTANTS = [
         "ngram_match_lengths=SchedulerConfig.ngram_match_lengths,",
         tests=("tests/test_settings.py::test_the_bls_builds_its_loop_from_its_settings",),
     ),
+    Mutant(
+        "cache-spare-uncounted",
+        "the torch engine keeps one more spare position per slot than the memory check counts",
+        "specdec/engines/llama.py",
+        "super().__init__(config, num_slots, max_length + 1, dtype, self.device)",
+        "super().__init__(config, num_slots, max_length + 2, dtype, self.device)",
+        tests=("tests/test_memory.py::test_counts_equal_a_real_engines_tensors",),
+    ),
 ]
 
 
