@@ -39,6 +39,8 @@ from specdec.engines.memory import (
     weight_bytes,
 )
 from specdec.engines.onnx_engine import GraphEngine
+from specdec.gateway.config import haproxy_binary
+from specdec.gateway.serve import serve
 from specdec.harness import ManagedServer
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import free_port
@@ -289,8 +291,9 @@ def test_launch_refuses_before_anything_starts(tmp_path, target_dir):
     assert processes_with(marker) == []  # no OpenAI API, no tritonserver, no check left
 
 
+@pytest.mark.skipif(haproxy_binary() is None, reason="needs HAProxy: apt-get install haproxy")
 def test_gateway_counts_every_replica(tmp_path, target_dir, capfd):
-    from specdec.gateway.serve import serve
+    """serve checks the gateway's own settings first, HAProxy among them."""
 
     settings = {"NUM_SLOTS": "16", "MAX_CONTEXT": "1024", "DTYPE": "float32"}
     one = check_environment(settings, available=10**15)  # fits anywhere: its plan

@@ -150,11 +150,13 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     """N replicas and the gateway on GRPC_PORT / HTTP_PORT until SIGINT or SIGTERM; a replica
     that exits is started again (its streams ended with an error; the gateway skips it
     meanwhile). openai: the OpenAI-compatible API too, calling the gateway. Returns 2, with one
-    line on stderr and nothing started, when the settings are refused: the replicas' engines
-    together need more memory than their device has free (specdec/serving/memory_check.py),
-    or a gateway setting is wrong."""
+    line on stderr and nothing started, when the settings are refused: a gateway setting is
+    wrong, or the replicas' engines together need more memory than their device has free
+    (specdec/serving/memory_check.py)."""
+    if (settings := gateway_settings(env, openai)) is None:
+        return 2
     # The replicas share this host's device (each reads the same DEVICE): N servers' memory.
-    if not memory_fits(env, num_replicas) or (settings := gateway_settings(env, openai)) is None:
+    if not memory_fits(env, num_replicas):
         return 2
     security, client_env = settings
     run_dir = Path(env.get("RUN_DIR", PROJECT_ROOT / ".run"))
