@@ -10,8 +10,9 @@ header `admin-key: $TRITON_ADMIN_KEY` (a random key when unset: nobody can call 
 TRITON_INFERENCE_KEY locks inference, metadata, model-config and statistics the same way
 (header `inference-key`), and GRPC_SSL_CERT / GRPC_SSL_KEY turn on gRPC TLS; a bad value of
 any of them stops the container before tritonserver runs, naming the variable
-(docs/operations.md, Security). It runs under specdec.launch.supervise: a dead stub process
-stops the container (exit 1).
+(docs/operations.md, Security), and so do engines that would not fit the device's free
+memory (exit 2; docs/operations.md, Memory). It runs under specdec.launch.supervise: a dead
+stub process stops the container (exit 1).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from specdec.server_config import (
     ServerConfig,
     access_arguments,
     access_summary,
+    memory_fits,
     render_repository,
 )
 
@@ -61,6 +63,10 @@ def main() -> None:
         config = ServerConfig.from_env(env)
     except ValueError as error:  # a bad setting, named: refused before the server starts
         sys.exit(f"triton_entrypoint: {error}")
+    # Engines too big for the device: one line naming NUM_SLOTS and MAX_CONTEXT, not an
+    # out-of-memory error in whichever engine loads second at every restart.
+    if not memory_fits(env, 1, config.source_repository):
+        sys.exit(2)
     config.run_dir = Path(env.get("RUN_DIR", "/tmp/specdec"))
     repository = render_repository(config)
     command = server_command(repository, env, config)

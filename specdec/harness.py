@@ -26,8 +26,16 @@ from specdec.processes import (
     terminate,
     tree_resident_bytes,
 )
-from specdec.server_config import ServerConfig, start
+from specdec.server_config import ServerConfig, max_draft_tokens, start
 from specdec.serving.metric_names import CALIBRATED
+
+
+def check_memory(env: dict[str, str], config: ServerConfig) -> None:
+    """The launcher's memory check of `env`'s settings, in this process (tests import torch
+    anyway): raises specdec.engines.memory.MemoryRefused with its one line."""
+    from specdec.serving.memory_check import check_environment
+
+    check_environment(env, max_draft_tokens=max_draft_tokens(config.source_repository))
 
 
 class ManagedServer:
@@ -41,11 +49,14 @@ class ManagedServer:
         supervised: bool = False,
     ):
         """supervised: run it as `python -m specdec.launch --exit-when-unready` does (the
-        container's command), so `process` is the supervisor."""
+        container's command), so `process` is the supervisor. Settings whose engines do not
+        fit the device raise MemoryRefused (the launcher's line) before anything starts."""
         ports = {k: str(free_port()) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
         run_dir = PROJECT_ROOT / ".run" / name
         env = {**ports, **(env or {}), "RUN_DIR": str(run_dir)}
         self.config = ServerConfig.from_env(env)
+        if not supervised:  # specdec.launch checks it there
+            check_memory(env, self.config)
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.config.run_dir / "server.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()

@@ -21,7 +21,7 @@ import sys
 import time
 
 from specdec.processes import descendant_pids, end_with_parent, is_ready, process_alive
-from specdec.server_config import ServerConfig, access_summary, server_command
+from specdec.server_config import ServerConfig, access_summary, memory_fits, server_command
 
 # Triton's own exit timeout (ServerConfig.exit_timeout_s, 30 s) and a margin for unloading.
 STOP_GRACE_S = 45.0
@@ -114,6 +114,8 @@ def main() -> None:
         config = ServerConfig.from_env()
     except ValueError as error:  # a bad setting, named: refused before the server starts
         sys.exit(f"specdec.launch: {error}")
+    if not memory_fits(os.environ, 1, config.source_repository):  # its line is on stderr
+        sys.exit(2)
     if args.openai:
         start_openai_api()
     print(

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from specdec.certificates import check_dates, check_key_pair
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent
 from specdec.serving.settings import (
+    BLS_MODEL,
     DRAFT_CHECKPOINT,
     SETTINGS,
     TARGET_CHECKPOINT,
@@ -47,6 +49,7 @@ CHECKPOINTS = (TARGET_CHECKPOINT, DRAFT_CHECKPOINT)  # relative: made absolute w
 INFERENCE_APIS = "inference,metadata,model-config,statistics"
 ADMIN_APIS = "model-repository,shared-memory,trace,logging"
 ADMIN_KEY_HEADER = "admin-key"
+SOURCE_REPOSITORY = PROJECT_ROOT / "model_repository"
 
 
 @dataclass
@@ -56,7 +59,7 @@ class ServerConfig:
     metrics_port: int = 8002
     address: str = "127.0.0.1"
     run_dir: Path = PROJECT_ROOT / ".run"
-    source_repository: Path = PROJECT_ROOT / "model_repository"
+    source_repository: Path = SOURCE_REPOSITORY
     # The declared settings set in the environment: model name -> {parameter: value}
     parameters: dict[str, dict[str, str]] = field(default_factory=dict)
     exit_timeout_s: int = 30
@@ -246,6 +249,28 @@ def server_command(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
     # (specdec/serving/bls_model.py, the start-up cost measurement).
     env["SPECDEC_HTTP_PORT"] = str(config.http_port)
     return command, env
+
+
+def max_draft_tokens(source_repository: Path) -> int:
+    """speculative_decoding's max_num_draft_tokens (its config.pbtxt, which the BLS requires):
+    one less than the widest verify."""
+    path = source_repository / BLS_MODEL / "config.pbtxt"
+    value = get_parameter(path.read_text(), "max_num_draft_tokens")
+    if value is None:
+        raise ValueError(f"{path}: no max_num_draft_tokens parameter")
+    return int(value)
+
+
+def memory_fits(
+    env: Mapping[str, str], replicas: int = 1, source_repository: Path = SOURCE_REPOSITORY
+) -> bool:
+    """Whether the engines of the settings in `env` fit their device's free memory, `replicas`
+    servers together (specdec/serving/memory_check.py); False after its one line on stderr.
+    A child process: it imports torch and may ask CUDA, which this process, alive as long
+    as the server, should not carry (a CUDA context costs about 0.5 GiB of the GPU)."""
+    command = [sys.executable, "-m", "specdec.serving.memory_check", "--replicas", str(replicas)]
+    command += ["--max-draft-tokens", str(max_draft_tokens(source_repository))]
+    return subprocess.run(command, env=dict(env)).returncode == 0
 
 
 def start(config: ServerConfig, log_file=None) -> subprocess.Popen:

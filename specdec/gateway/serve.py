@@ -33,6 +33,7 @@ from specdec.gateway.config import (
 from specdec.gateway.security import GatewaySecurity, describe
 from specdec.paths import PROJECT_ROOT
 from specdec.processes import end_with_parent, is_ready, port_open, terminate
+from specdec.server_config import memory_fits
 
 
 class Gateway:
@@ -148,8 +149,14 @@ def start_replica(replica: Replica, env: dict[str, str], run_dir: Path) -> subpr
 def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     """N replicas and the gateway on GRPC_PORT / HTTP_PORT until SIGINT or SIGTERM; a replica
     that exits is started again (its streams ended with an error; the gateway skips it
-    meanwhile). openai: the OpenAI-compatible API too, calling the gateway."""
+    meanwhile). openai: the OpenAI-compatible API too, calling the gateway. Returns 2, with one
+    line on stderr and nothing started, when the settings are refused: a gateway setting is
+    wrong, or the replicas' engines together need more memory than their device has free
+    (specdec/serving/memory_check.py)."""
     if (settings := gateway_settings(env, openai)) is None:
+        return 2
+    # The replicas share this host's device (each reads the same DEVICE): N servers' memory.
+    if not memory_fits(env, num_replicas):
         return 2
     security, client_env = settings
     run_dir = Path(env.get("RUN_DIR", PROJECT_ROOT / ".run"))

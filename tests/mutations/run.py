@@ -196,6 +196,14 @@ MUTANTS = [
         "at = base + step - 1",
         tests=("tests/test_call_graphs.py",),
     ),
+    Mutant(
+        "cache-spare-uncounted",
+        "the torch engine keeps one more spare position per slot than the memory check counts",
+        "specdec/engines/llama.py",
+        "super().__init__(config, num_slots, max_length + SPARE_POSITIONS, dtype, self.device)",
+        "super().__init__(config, num_slots, max_length + SPARE_POSITIONS + 1, dtype, self.device)",
+        tests=("tests/test_memory.py::test_counts_equal_a_real_engines_tensors",),
+    ),
 ]
 
 
