@@ -13,10 +13,15 @@ Each step is recorded with its outcome; a failed step does not stop the next one
    (tokens that agree, equal in float32; ms per call; the graphs' pool bytes beside its
    estimate); where `tensorrt` imports, the target's plan in --dtype: its logits must stay
    on the GPU and follow the torch engine's (ms per step beside torch's);
-4. cuda: the real Triton server (specdec.harness.ManagedServer) with the torch engine on CUDA;
-5. tensorrt, where `tensorrt` imports: plans of both models in --dtype (build time), then
+4. tie_margin, in this process: the target in bfloat16 on the GPU against the CPU reference:
+   where its plain greedy path departs from the reference and the largest reference top-2
+   gap at such a departure; how far its one-token steps move float32's top-2 gaps and how
+   far its verifies of 5 tokens move its own steps' (build/tie_margin.py's measures, here on
+   the GPU's kernels), against --tie-margin and PRECISION_MARGIN;
+5. cuda: the real Triton server (specdec.harness.ManagedServer) with the torch engine on CUDA;
+6. tensorrt, where `tensorrt` imports: plans of both models in --dtype (build time), then
    the server with ENGINE=tensorrt.
-Steps 4 and 5 serve k = 0, k = 4 and adaptive to one stream, and k = 0 and adaptive to each
+Steps 5 and 6 serve k = 0, k = 4 and adaptive to one stream, and k = 0 and adaptive to each
 level of --streams (output tokens/s of each), and hold every greedy text to the reference by
 the tie-aware rule (build/greedy_parity.py): a text may leave the reference only where the
 reference's top-2 logits lie within --tie-margin; a divergence anywhere else fails the step.
@@ -91,14 +96,15 @@ def load_prompts(config: GpuCheckConfig) -> list[str]:
     return [tokenizer.apply_chat_template(i["prompt"]) for i in items[::step]][: config.num_prompts]
 
 
-def reference_paths(config: GpuCheckConfig, tokenizer, prompts: list[str]) -> list:
-    """The CPU float32 reference: per prompt, greedy token ids and their top-2 logit gaps."""
-    from build.greedy_parity import greedy_path
+def reference_top2s(config: GpuCheckConfig, tokenizer, prompts: list[str]) -> list:
+    """The CPU float32 reference: per prompt, greedy token ids, their runners-up and their
+    top-2 logit gaps (greedy_parity.greedy_top2)."""
+    from build.greedy_parity import greedy_top2
     from specdec.engines.llama import LlamaEngine
 
     engine = LlamaEngine.from_checkpoint(config.target, 1, config.max_context)
     eos = tokenizer.eos_token_id
-    return [greedy_path(engine, tokenizer.encode(p), config.max_tokens, eos) for p in prompts]
+    return [greedy_top2(engine, tokenizer.encode(p), config.max_tokens, eos) for p in prompts]
 
 
 def measure(url: str, prompts: list[str], k: int | None, max_tokens: int, streams: int) -> dict:
@@ -414,12 +420,73 @@ def tensorrt_logits(config: GpuCheckConfig) -> dict:
     return {"dtype": dtype, **compare_decode_steps(reference, engine, PLAN_TOLERANCE)}
 
 
+# -- step 4: the bfloat16 tie margin on the GPU -----------------------------------------------
+VERIFY_WIDTH = 5  # k + 1 at the draft's k = 4
+
+
+def first_departures(reference: list, outputs: list[list[int]]) -> list[dict]:
+    """Where each output's tokens first leave its reference path (greedy_top2's ids, runners-up
+    and gaps): the position and the reference's top-2 logit gap there."""
+    found = []
+    for prompt, ((ids, _, gaps), output) in enumerate(zip(reference, outputs, strict=True)):
+        pairs = zip(ids, output, strict=False)  # a path that ended early differs at its end
+        position = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        if position is not None:
+            found.append({"prompt": prompt, "position": position, "gap": round(gaps[position], 6)})
+    return found
+
+
+def tie_margin_step(
+    config: GpuCheckConfig, prompt_ids: list[list[int]], reference: list, eos, device="cuda"
+) -> dict:
+    """The target in bfloat16 on `device` against the CPU's float32 reference (`reference`:
+    greedy_top2 per prompt): where its plain greedy path departs, and the largest reference
+    gap at such a departure; how far its one-token steps move float32's top-2 gaps
+    (precision) and how far its verifies of VERIFY_WIDTH tokens move its own one-token
+    steps' (verify); the committed margins against both (build/tie_margin.py's figures)."""
+    import torch
+
+    from build.greedy_parity import PRECISION_MARGIN, greedy_top2, precision_moves
+    from build.tie_margin import TieMarginConfig, bounds, summary, verify_figures
+    from specdec.engines.llama import LlamaEngine
+
+    length = max(len(ids) for ids in prompt_ids) + config.max_tokens + 1
+    engine = LlamaEngine.from_checkpoint(
+        config.target, len(prompt_ids), length, device, torch.bfloat16
+    )
+    greedy = [greedy_top2(engine, ids, config.max_tokens, eos)[0] for ids in prompt_ids]
+    departures = first_departures(reference, greedy)
+    moves = [
+        (r, move)
+        for r, ids in enumerate(prompt_ids)
+        for move in precision_moves(engine, ids, reference[r])
+    ]
+    own = TieMarginConfig(config.target, len(prompt_ids), config.max_tokens, [VERIFY_WIDTH], 1)
+    verify, precision = verify_figures(own, engine, prompt_ids)["all"], summary(moves)
+    for figures in (verify, precision):
+        figures["flips"] = len(figures["flips"])
+    return {
+        "dtype": "bfloat16",
+        "device": device,
+        "greedy": {
+            "equal": len(prompt_ids) - len(departures),
+            "departures": departures,
+            "max_gap_at_departure": max((d["gap"] for d in departures), default=None),
+        },
+        "verify": verify,
+        "precision": precision,
+        "tie_margin": bounds(verify["max_move"], config.tie_margin),
+        "precision_margin": bounds(precision["max_move"], PRECISION_MARGIN),
+    }
+
+
 def run(config: GpuCheckConfig) -> dict:
     report = {"config": {k: str(v) for k, v in asdict(config).items()}, "steps": {}}
     report["environment"] = environment()
     if config.dry_run:
         report["steps"] = {
-            s: {"ok": None, "skipped": "dry run"} for s in ("cpu", "engines", "cuda", "tensorrt")
+            s: {"ok": None, "skipped": "dry run"}
+            for s in ("cpu", "engines", "tie_margin", "cuda", "tensorrt")
         }
     else:
         run_steps(config, report)
@@ -436,14 +503,22 @@ def run_steps(config: GpuCheckConfig, report: dict) -> None:
     prompts, tokenizer = load_prompts(config), TextTokenizer(config.target)
 
     def cpu_step() -> dict:
-        paths = reference_paths(config, tokenizer, prompts)
-        return {"texts": [tokenizer.decode(ids) for ids, _ in paths], "paths": paths}
+        top2s = reference_top2s(config, tokenizer, prompts)
+        paths = [(ids, gaps) for ids, _, gaps in top2s]
+        return {
+            "texts": [tokenizer.decode(ids) for ids, _ in paths],
+            "paths": paths,
+            "top2s": top2s,
+        }
 
     cpu = step(report, "cpu", cpu_step)
     if cpu is None:
         return
     reference = (tokenizer, cpu["paths"])
     step(report, "engines", lambda: engines_step(config, bool(report["environment"]["tensorrt"])))
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    eos = tokenizer.eos_token_id
+    step(report, "tie_margin", lambda: tie_margin_step(config, prompt_ids, cpu["top2s"], eos))
     env = {"ENGINE": "torch", "DEVICE": "cuda"}
     step(report, "cuda", lambda: serve("gpu-check-cuda", env, config, prompts, reference))
     if report["environment"]["tensorrt"] and not config.skip_tensorrt:

@@ -21,7 +21,7 @@ def test_dry_run_writes_a_report_without_starting_a_server(tmp_path):
     run(config)
     report = json.loads(out.read_text())
     assert report["config"]["num_prompts"] == "3"
-    assert set(report["steps"]) == {"cpu", "engines", "cuda", "tensorrt"}
+    assert set(report["steps"]) == {"cpu", "engines", "tie_margin", "cuda", "tensorrt"}
     assert all(s["skipped"] == "dry run" for s in report["steps"].values())
     assert report["passed"] is None
     assert "cuda_available" in report["environment"]
@@ -91,3 +91,38 @@ def test_a_step_fails_on_a_real_divergence_only(monkeypatch, tmp_path, far):
     assert outcome["adaptive_over_k0"] == {1: 1.0, 16: 1.0}
     if far:
         assert "away from a near tie" in outcome["error"]
+
+
+def test_first_departures_name_the_position_and_the_references_gap_there():
+    reference = [([3, 4, 5], [9, 9, 9], [2.0, 0.1, 1.0]), ([3, 4, 2], [9, 9, 9], [2.0, 0.5, 1.0])]
+    outputs = [[3, 7, 5], [3, 4, 2]]  # leaves at position 1; equal
+    assert gpu_check.first_departures(reference, outputs) == [
+        {"prompt": 0, "position": 1, "gap": 0.1}
+    ]
+    ended_early = [[3, 4, 5], [3, 4]]  # a path that ends early departs at its end
+    assert gpu_check.first_departures(reference, ended_early) == []
+    assert gpu_check.first_departures(reference, [[3, 4, 5], [3, 2]])[0]["position"] == 1
+
+
+def test_tie_margin_step_runs_on_the_cpu(tmp_path, target_dir):
+    """The GPU step's code on the CPU, on a tiny random checkpoint: the bfloat16 path against
+    the float32 reference, every figure present and consistent with the departures."""
+    from build.greedy_parity import greedy_top2
+    from build.tiny_checkpoint import TinyConfig
+    from build.tiny_checkpoint import run as write_checkpoint
+    from specdec.engines.llama import LlamaEngine
+
+    tiny = write_checkpoint(TinyConfig(out=tmp_path / "tiny", tokenizer_from=target_dir))
+    config = parse_args(["--out", str(tmp_path / "r.json"), "--target", str(tiny)])
+    config.max_tokens = 12
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    float32 = LlamaEngine.from_checkpoint(tiny, 1, 32)
+    reference = [greedy_top2(float32, ids, config.max_tokens, None) for ids in prompts]
+    result = gpu_check.tie_margin_step(config, prompts, reference, None, device="cpu")
+    greedy = result["greedy"]
+    assert greedy["equal"] + len(greedy["departures"]) == 2
+    gaps = [d["gap"] for d in greedy["departures"]]
+    assert greedy["max_gap_at_departure"] == (max(gaps) if gaps else None)
+    assert result["verify"]["positions"] == 2 * (config.max_tokens - 1) * (5 + 1)
+    assert result["precision"]["positions"] == 2 * config.max_tokens
+    assert result["tie_margin"]["committed"] == config.tie_margin
