@@ -431,6 +431,19 @@ def server_env(config: RunConfig, target: Path, draft: Path, dtype: str) -> str:
     return ",".join(f"{k}={v}" for k, v in env.items())
 
 
+def run_logged(command: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Runs a step's command from the checkout, its output into `log`."""
+    with log.open("w") as handle:
+        return subprocess.run(
+            command,
+            cwd=PROJECT_ROOT,
+            env=subprocess_env(),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+
+
 def subprocess_env() -> dict[str, str]:
     """This checkout first on PYTHONPATH: loadtest/bench.py's folder comes first on its
     path, and an installed `specdec` (an editable install of another checkout) must not
@@ -451,15 +464,7 @@ def bench(config: RunConfig, name: str, modes: list[str], env: str, timeout: flo
         *("--max-tokens", str(config.max_tokens), "--server-env", env),
     ]
     log = config.work_dir / f"bench-{name}.log"
-    with log.open("w") as handle:
-        done = subprocess.run(
-            command,
-            cwd=PROJECT_ROOT,
-            env=subprocess_env(),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-        )
+    done = run_logged(command, log, timeout)
     if done.returncode:
         tail = log.read_text()[-1500:]
         raise RuntimeError(f"bench exited with {done.returncode}: {tail}")
@@ -558,15 +563,7 @@ def gpu_check_step(config: RunConfig, progress: Progress) -> dict:
     if config.dry_run:
         command.append("--dry-run")
     log = config.work_dir / "gpu_check.log"
-    with log.open("w") as handle:
-        done = subprocess.run(
-            command,
-            cwd=PROJECT_ROOT,
-            env=subprocess_env(),
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            timeout=config.budgets_s["gpu_check"],
-        )
+    done = run_logged(command, log, config.budgets_s["gpu_check"])
     if not out.exists():
         raise RuntimeError(
             f"gpu_check wrote no report (exit {done.returncode}): {log.read_text()[-1500:]}"
