@@ -132,7 +132,7 @@ class Backend:
             self.config.bls_model, as_json=True, headers=self.headers
         )
         config = response["config"]
-        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.max_context = MAX_CONTEXT.read(parameters)  # missing: the declared default
         self.triton_inputs = {tensor["name"] for tensor in config["input"]}
         checkpoint = Path(TARGET_CHECKPOINT.read(parameters))

@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 def model_parameters(args: dict) -> dict[str, str]:
     config = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
 
 
 def resolve_path(value: str) -> str:
