@@ -13,8 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DRAFT, TARGET
+from specdec.engines import calls as calls_module
 from specdec.engines import graphs as graphs_module
 from specdec.engines.calls import LocalEngines, run_draft, run_target
+from specdec.engines.engine import MAX_BATCHED_QUERY
 from specdec.engines.graphs import (
     TRANSFERS,
     CallGraphs,
@@ -222,6 +224,9 @@ def draft_logits(batch: EngineBatch, eager: list, padded: list) -> list[tuple]:
 def test_padded_draft_gives_eager_tokens_hindsight_and_writes(draft, rows, monkeypatch):
     catching_up = {slot: greedy_continuation(draft, slot, n) for slot, n, *_ in rows if n > 2}
     batch = make_batch(rows, fed=catching_up)
+    # one program for every row, so its logits line up with the eager call's (the split of
+    # catching-up rows into a program of their own: the test below)
+    monkeypatch.setattr(calls_module, "DRAFT_NARROW_WIDTH", MAX_BATCHED_QUERY)
     eager, padded, eager_logits, padded_logits, same_writes = padded_against_eager(
         draft, batch, "draft", monkeypatch
     )
@@ -234,6 +239,26 @@ def test_padded_draft_gives_eager_tokens_hindsight_and_writes(draft, rows, monke
     for expected, got in draft_logits(batch, eager_logits, padded_logits):
         assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
     assert same_writes
+
+
+def test_catching_up_draft_rows_get_a_program_of_their_own(draft, monkeypatch):
+    """A draft call of rows feeding 1 and 2 tokens and one catching up on 7: two padded
+    programs, 2 and 7 tokens wide, and the eager call's tokens and hindsight hits."""
+    rows = [(0, 1, 4, {}), (1, 7, 4, {}), (2, 2, 4, SAMPLED), (3, 2, 0, {})]
+    batch = make_batch(rows, fed={1: greedy_continuation(draft, 1, 7)})
+    widths: list[int] = []
+    real_run = CallGraphs.run
+
+    def counting(self, role, part):
+        widths.append(int(part.input_lengths.max()))
+        return real_run(self, role, part)
+
+    monkeypatch.setattr(CallGraphs, "run", counting)
+    eager, padded, *_, same_writes = padded_against_eager(draft, batch, "draft", monkeypatch)
+    assert widths == [2, 7]
+    assert np.array_equal(padded.token_ids, eager.token_ids)
+    assert np.array_equal(padded.hindsight_hits, eager.hindsight_hits)
+    assert padded.hindsight_hits[1] > 0 and same_writes
 
 
 @pytest.mark.parametrize("fault", ["mask one key short", "padding writes a real position"])

@@ -20,7 +20,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
-from specdec.engines.engine import Engine
+from specdec.engines.engine import MAX_BATCHED_QUERY, Engine
 from specdec.engines.graphs import CallGraphs, fits
 from specdec.engines.sampling import RowSampling, choose_tokens
 from specdec.engines.wire import (
@@ -105,24 +105,36 @@ def offered_graphs(engine: Engine) -> CallGraphs | None:
     return getattr(engine, "call_graphs", None)
 
 
+# A draft call's rows feed 1 or 2 tokens (the pending one, and the bonus); a row catching up
+# feeds up to MAX_BATCHED_QUERY. A padded program is as wide as its widest row, so catching-up
+# rows get a program of their own rather than widening every row's.
+DRAFT_NARROW_WIDTH = 2
+
+
 def _split(engine: Engine, batch: EngineBatch, role: str, eager: EagerCall) -> EngineResult:
     """Rows are independent (each attends only its own slot), so the rows a padded program
-    takes run there and the others (prefill, log-probabilities) eagerly; the results are
-    merged in row order."""
+    takes run there (a draft call's catching-up rows in a program of their own) and the
+    others (prefill, log-probabilities) eagerly; the results are merged in row order."""
     graphs = offered_graphs(engine)
     if graphs is None:
         return eager(engine, batch)
     taken = fits(batch, role)
-    if not taken.any():
+    narrow = batch.input_lengths <= (DRAFT_NARROW_WIDTH if role == "draft" else MAX_BATCHED_QUERY)
+    groups = [taken & narrow, taken & ~narrow, ~taken]  # padded, padded, eager
+    if groups[0].all() or groups[1].all():
+        return (_graph_target if role == "target" else _graph_draft)(graphs, batch)
+    if groups[2].all():
         return eager(engine, batch)
-    padded = _graph_target if role == "target" else _graph_draft
-    if taken.all():
-        return padded(graphs, batch)
-    rows = [np.nonzero(taken)[0], np.nonzero(~taken)[0]]
-    parts = [
-        padded(graphs, select_rows(batch, rows[0])),
-        eager(engine, select_rows(batch, rows[1])),
-    ]
+    rows, parts = [], []
+    for index, group in enumerate(groups):
+        if group.any():
+            rows.append(np.nonzero(group)[0])
+            part = select_rows(batch, rows[-1])
+            if index == 2:
+                parts.append(eager(engine, part))
+            else:
+                padded = _graph_target if role == "target" else _graph_draft
+                parts.append(padded(graphs, part))
     return merge_results(batch, rows, parts)
 
 
