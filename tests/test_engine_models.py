@@ -106,3 +106,13 @@ def test_an_engine_call_round_trips_and_a_malformed_one_names_the_field():
         decode_call(b"not an engine call")
     with pytest.raises(ValueError, match="engine role 'verify'"):
         encode_call("verify", call)
+
+
+def test_work_on_a_passing_thread_returns_or_raises_on_the_caller():
+    import threading
+
+    from specdec.engines.calls import on_a_passing_thread
+
+    assert on_a_passing_thread(lambda: threading.current_thread().name) == "specdec-engine-work"
+    with pytest.raises(ValueError, match="bad setting"):
+        on_a_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad setting")))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import fields
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from specdec.engines.wire import (
 )
 
 EagerCall = Callable[[Engine, EngineBatch], EngineResult]
+T = TypeVar("T")
 
 
 def rows_sampling(
@@ -270,6 +272,31 @@ def _hindsight_hits(
         fed = batch.input_ids[end - n : end]
         hits[r] = int(sum(1 << j for j in np.nonzero(guessed == fed)[0]))
     return hits
+
+
+def on_a_passing_thread(work: Callable[[], T]) -> T:
+    """work() on a thread of its own, which ends with it; its exception is raised here.
+
+    torch's CPU kernels run on an OpenMP team that belongs to the thread that starts them,
+    and a process that holds a second team (its main thread's, after loading the engines
+    there) ran the loop thread's engine calls 15-20% slower on 2 cores (the real target,
+    16 rows, bfloat16; docs/benchmarks.md, "Engines in the BLS's process"). A passing
+    thread's team ends with it, so the loop thread's is the only one left."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as error:  # noqa: BLE001 -- raised again below, on the caller
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=run, name="specdec-engine-work")
+    thread.start()
+    thread.join()
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value
 
 
 class LocalEngines:

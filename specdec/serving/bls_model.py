@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdec.engines.calls import LocalEngines
+from specdec.engines.calls import LocalEngines, on_a_passing_thread
 from specdec.engines.select import create_engine
 from specdec.engines.wire import decode_call, encode_result
 from specdec.loop.admission import QueueFull
@@ -169,7 +169,7 @@ class TritonPythonModel:
             prefill_chunk=settings.PREFILL_CHUNK.read(params),
         )
         self.tokenizer = load_tokenizer(resolve_path(settings.TARGET_CHECKPOINT.read(params)))
-        self.engines = create_engines(params)
+        self.engines = on_a_passing_thread(lambda: create_engines(params))
         self.scheduler = SpeculativeScheduler(self.engines, self.config, self.tokenizer.decode)
         self.timer = StepTimer(self.scheduler)  # books each step's whole cost
         self.max_return_sequences = self.config.num_slots  # more would never run at once
@@ -309,7 +309,7 @@ class TritonPythonModel:
         own on the shared engines, between the loop's calls), answered at once."""
         try:
             role, batch = decode_call(data)
-            result = self.engines.call(role, batch)
+            result = on_a_passing_thread(lambda: self.engines.call(role, batch))
             encoded = np.array([[encode_result(result)]], dtype=np.object_)
             response = pb_utils.InferenceResponse([pb_utils.Tensor("engine_result", encoded)])
         except ValueError as error:
