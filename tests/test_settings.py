@@ -40,11 +40,11 @@ from specdec.serving.settings import (
     decide_response_thread,
     markdown_table,
     model_settings,
+    parse_auto_bool,
     parse_calibration_seconds,
     parse_certificate_file,
     parse_header_key,
     parse_private_key_file,
-    parse_response_thread,
     parse_stream_interval,
     usable_cores,
 )
@@ -66,13 +66,13 @@ def test_a_bad_stream_interval_names_the_setting(value):
     [("auto", None), ("AUTO", None), ("true", True), ("1", True), ("false", False), ("no", False)],
 )
 def test_response_thread_values(value, expected):
-    assert parse_response_thread("RESPONSE_THREAD", value) is expected
+    assert parse_auto_bool("RESPONSE_THREAD", value) is expected
 
 
 @pytest.mark.parametrize("value", ["maybe", "2", "on", ""])
 def test_a_bad_response_thread_names_the_setting(value):
     with pytest.raises(ValueError, match=r"^RESPONSE_THREAD: expected auto, true or false"):
-        parse_response_thread("RESPONSE_THREAD", value)
+        parse_auto_bool("RESPONSE_THREAD", value)
 
 
 def test_auto_turns_the_response_thread_on_from_four_usable_cores():

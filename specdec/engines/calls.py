@@ -13,6 +13,7 @@ other engine runs each call eagerly: the draft one step at a time."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import fields
@@ -122,21 +123,17 @@ def _split(engine: Engine, batch: EngineBatch, role: str, eager: EagerCall) -> E
         return eager(engine, batch)
     taken = fits(batch, role)
     narrow = batch.input_lengths <= (DRAFT_NARROW_WIDTH if role == "draft" else MAX_BATCHED_QUERY)
-    groups = [taken & narrow, taken & ~narrow, ~taken]  # padded, padded, eager
-    if groups[0].all() or groups[1].all():
-        return (_graph_target if role == "target" else _graph_draft)(graphs, batch)
-    if groups[2].all():
-        return eager(engine, batch)
-    rows, parts = [], []
-    for index, group in enumerate(groups):
-        if group.any():
-            rows.append(np.nonzero(group)[0])
-            part = select_rows(batch, rows[-1])
-            if index == 2:
-                parts.append(eager(engine, part))
-            else:
-                padded = _graph_target if role == "target" else _graph_draft
-                parts.append(padded(graphs, part))
+    padded = functools.partial(_graph_target if role == "target" else _graph_draft, graphs)
+    groups = [
+        (taken & narrow, padded),
+        (taken & ~narrow, padded),
+        (~taken, functools.partial(eager, engine)),
+    ]
+    present = [(group, run) for group, run in groups if group.any()]
+    if len(present) <= 1:  # the whole call in one piece (an empty one padded)
+        return (present[0][1] if present else padded)(batch)
+    rows = [np.nonzero(group)[0] for group, _ in present]
+    parts = [run(select_rows(batch, r)) for r, (_, run) in zip(rows, present, strict=True)]
     return merge_results(batch, rows, parts)
 
 

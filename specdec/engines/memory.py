@@ -444,7 +444,7 @@ def check_engines_fit(
     """Raises MemoryRefused (one line: refusal_line) when the engines of these settings do
     not fit the free memory of their device (`available` bytes; None: available_memory);
     returns the plan when they do. engine_processes: processes that each hold a CUDA
-    context for the engines (2 while draft_model and target_model are stubs of their own)."""
+    context for the engines (ENGINE_PROCESSES: the BLS's stub holds both engines)."""
     spec = server_spec(
         target_checkpoint,
         draft_checkpoint,

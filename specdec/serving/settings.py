@@ -181,19 +181,9 @@ def parse_prefill_chunk(name: str, value: str) -> int | None:
     return parse_count(name, value, 0) or None
 
 
-def parse_response_thread(name: str, value: str) -> bool | None:
-    """response_thread: true, false, or auto (None: decided by the usable cores)."""
-    if value.strip().lower() == "auto":
-        return None
-    try:
-        return parse_bool(name, value)
-    except ValueError:
-        raise ValueError(f"{name}: expected auto, true or false, got {value!r}") from None
-
-
-def parse_cuda_graphs(name: str, value: str) -> bool | None:
-    """cuda_graphs: true, false, or auto (None: decided where the engine is created,
-    specdec/engines/select.py resolve_cuda_graphs)."""
+def parse_auto_bool(name: str, value: str) -> bool | None:
+    """true, false, or auto (None: decided where the setting is used: RESPONSE_THREAD by the
+    usable cores, CUDA_GRAPHS by specdec/engines/select.py resolve_cuda_graphs)."""
     if value.strip().lower() == "auto":
         return None
     try:
@@ -376,7 +366,7 @@ CUDA_GRAPHS = Setting(
     "cuda_graphs",
     (BLS_MODEL,),
     "auto",
-    parse_cuda_graphs,
+    parse_auto_bool,
     "`true`: the torch engine on CUDA replays its calls as CUDA graphs; `auto`: on where "
     "the torch engine runs on CUDA",
 )
@@ -488,7 +478,7 @@ RESPONSE_THREAD = Setting(
     "response_thread",
     (BLS_MODEL,),
     "auto",
-    parse_response_thread,
+    parse_auto_bool,
     "`true`: responses go out on a thread beside the loop; `false`: the loop sends them; "
     f"`auto`: on with {RESPONSE_THREAD_MIN_CORES} or more usable cores",
 )
