@@ -68,7 +68,7 @@ def build_inputs(prompt: str | bytes | list, **params) -> list[grpcclient.InferI
     for name, value in params.items():
         if value is None:
             continue
-        if name in ("stop_words", "bad_words", "proposer"):
+        if name in ("stop_words", "bad_words", "proposer", "cache_salt"):
             value = [value] if isinstance(value, str) else value
             words = np.array([[w.encode("utf-8") for w in value]] * rows, dtype=np.object_)
             tensor = grpcclient.InferInput(name, list(words.shape), "BYTES")

@@ -466,11 +466,11 @@ def loop_outputs(target: LlamaEngine, draft: LlamaEngine) -> list[tuple[list[int
     fixed = dict(fixed_num_draft_tokens=True)  # adaptive k would follow the timings
     sampled = dict(temperature=1.0, top_k=3, seed=5)
     prompts = [
-        ("What is 17 times 23?", dict(proposer="draft_model", num_draft_tokens=4, **fixed)),
-        ("Repeat: the quick brown fox.", dict(proposer="ngram", num_draft_tokens=8, **fixed)),
+        ("What is 17 times 23?", dict(proposers=("draft_model",), num_draft_tokens=4, **fixed)),
+        ("Repeat: the quick brown fox.", dict(proposers=("ngram",), num_draft_tokens=8, **fixed)),
         (
             "Name three rivers.",
-            dict(proposer="draft_model", num_draft_tokens=4, **fixed, **sampled),
+            dict(proposers=("draft_model",), num_draft_tokens=4, **fixed, **sampled),
         ),
     ]
     groups = []

@@ -36,8 +36,8 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-DRAFT_K4 = dict(proposer="draft_model", num_draft_tokens=4, fixed_num_draft_tokens=True)
-LOOKUP_K8 = dict(proposer="ngram", num_draft_tokens=8, fixed_num_draft_tokens=True)
+DRAFT_K4 = dict(proposers=("draft_model",), num_draft_tokens=4, fixed_num_draft_tokens=True)
+LOOKUP_K8 = dict(proposers=("ngram",), num_draft_tokens=8, fixed_num_draft_tokens=True)
 ADAPTIVE: dict = {}  # the server's choice: adaptive k, both proposers
 # The top-k of sampled rows: a small support, so a token drawn from the wrong distribution
 # (another row's, another position's) falls outside it.
@@ -215,7 +215,7 @@ def test_greedy_and_sampled_rows_in_one_batch(models, dtype):
     drafted = sum(s.stats.num_draft_tokens for s in sequences)
     accepted = sum(s.stats.num_accepted_draft_tokens for s in sequences)
     assert 0 < accepted < drafted  # speculation ran, and was not always right
-    looked_up = [s for s in greedy if s.request.proposer == "ngram"]
+    looked_up = [s for s in greedy if s.request.proposers == ("ngram",)]
     assert sum(s.stats.num_accepted_draft_tokens for s in looked_up) > 0
     sampled = [s for s in sequences if not s.request.greedy]
     assert sum(s.stats.num_accepted_draft_tokens for s in sampled) > 0

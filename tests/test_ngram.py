@@ -80,7 +80,7 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17]
 def test_lookup_drafts_copied_text_without_the_draft_model(monkeypatch):
     monkeypatch.setattr(fakes, "oracle_next", copying_oracle)
     scheduler, engines = make_scheduler()
-    request = GenerationRequest(None, PROMPT, 60, end_id=-1, proposer="ngram")
+    request = GenerationRequest(None, PROMPT, 60, end_id=-1, proposers=("ngram",))
     sequence = scheduler.submit(request)
     run_all(scheduler)
     assert sequence.token_ids[len(PROMPT) :] == repeat(PROMPT, 60)
@@ -112,7 +112,9 @@ def test_lookups_are_priced_by_whole_iterations(monkeypatch, host_seconds_per_to
 
     monkeypatch.setattr(engines, "target", target)
     monkeypatch.setattr(scheduler, "_target_batch", target_batch)
-    sequence = scheduler.submit(GenerationRequest(None, PROMPT, 200, end_id=-1, proposer="ngram"))
+    sequence = scheduler.submit(
+        GenerationRequest(None, PROMPT, 200, end_id=-1, proposers=("ngram",))
+    )
     steps = proposing = 0
     while scheduler.has_work:
         result = timer.step()
@@ -135,7 +137,7 @@ def test_exact_lookup_k_and_greedy_exactness_on_text_that_does_not_copy():
                 [i + 1, 2 * i + 3],
                 40,
                 end_id=-1,
-                proposer="ngram",
+                proposers=("ngram",),
                 num_draft_tokens=4,
                 fixed_num_draft_tokens=True,
             )
@@ -155,7 +157,12 @@ def test_rows_choose_their_own_proposer(monkeypatch):
     copier = scheduler.submit(GenerationRequest(None, PROMPT, 60, end_id=-1))
     drafted = scheduler.submit(
         GenerationRequest(
-            None, [1, 2, 3, 4, 5, 6, 7], 60, end_id=-1, proposer="draft_model", num_draft_tokens=2
+            None,
+            [1, 2, 3, 4, 5, 6, 7],
+            60,
+            end_id=-1,
+            proposers=("draft_model",),
+            num_draft_tokens=2,
         )
     )
     seen = {copier.id: set(), drafted.id: set()}

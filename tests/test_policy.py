@@ -103,7 +103,7 @@ def test_a_fixed_k_goes_to_the_first_proposer_and_is_capped_by_max_tokens_and_co
     fixed = {"num_draft_tokens": 5, "fixed_num_draft_tokens": True}
     batch = [
         row(1, **fixed),  # the server's first proposer: the draft model
-        row(2, **fixed, proposer="ngram"),  # a lookup has at most its offer: 2
+        row(2, **fixed, proposers=("ngram",)),  # a lookup has at most its offer: 2
         row(3, max_tokens=3, **fixed),  # 2 more tokens after this one's: k <= 2 - 0
         row(4, num_draft_tokens=9),  # a cap above the server's: max_draft_tokens
     ]

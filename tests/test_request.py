@@ -79,8 +79,10 @@ def test_defaults():
         ("proposer", {**GOOD, "proposer": text("medusa")}),
         (
             "proposer",
-            {**GOOD, "proposer": np.array([[b"ngram", b"draft_model"]], dtype=np.object_)},
+            {**GOOD, "proposer": np.array([[b"ngram", b"ngram"]], dtype=np.object_)},
         ),
+        ("cache_salt", {**GOOD, "cache_salt": text("x" * 257)}),
+        ("cache_salt", {**GOOD, "cache_salt": np.array([[b"a", b"b"]], dtype=np.object_)}),
         ("fixed_num_draft_tokens", {**GOOD, "fixed_num_draft_tokens": np.array([[True]])}),
         ("stream_interval", {**GOOD, "stream_interval": i32(0)}),
         ("stream_interval", {**GOOD, "stream_interval": i32(-4)}),
@@ -160,9 +162,13 @@ def test_input_ids_take_precedence_over_text():
 
 def test_proposer_is_one_of_the_servers():
     request = parse(**GOOD, proposer=text("ngram"), num_draft_tokens=i32(4))
-    assert request.proposer == "ngram" and request.num_draft_tokens == 4
+    assert request.proposers == ("ngram",) and request.num_draft_tokens == 4
     assert not request.fixed_num_draft_tokens
-    with pytest.raises(InvalidInput, match="proposer: must be one of draft_model"):
+    several = np.array([[b"ngram", b"draft_model"]], dtype=np.object_)
+    assert parse(**GOOD, proposer=several).proposers == ("ngram", "draft_model")
+    assert parse(**GOOD).proposers == () and parse(**GOOD).cache_salt == ""
+    assert parse(**GOOD, cache_salt=text("tenant-a")).cache_salt == "tenant-a"
+    with pytest.raises(InvalidInput, match="proposer: each must be one of draft_model"):
         parse_request(
             {**GOOD, "proposer": text("ngram")},
             tokenize,

@@ -26,6 +26,8 @@ def make_scheduler(num_slots=4, k=3, max_context=256, fail_on_call=None, max_que
 
 def request(prompt, max_tokens, **kw) -> GenerationRequest:
     kw.setdefault("end_id", -1)
+    if "proposer" in kw:  # one proposer's name, as the tests below write it
+        kw["proposers"] = (kw.pop("proposer"),)
     return GenerationRequest(prompt=None, prompt_ids=list(prompt), max_tokens=max_tokens, **kw)
 
 

@@ -88,8 +88,7 @@ class ProposerPolicy:
         for row, sequence in enumerate(batch):
             limit, exact = self.row_limit(sequence)
             max_ks.append(self.cap(sequence, limit))
-            request_proposer = sequence.request.proposer
-            names = (request_proposer,) if request_proposer else self.config.proposer_names
+            names = sequence.request.proposers or self.config.proposer_names
             if limit == 0 or not names:
                 continue
             if exact:

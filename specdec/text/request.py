@@ -27,6 +27,7 @@ NEUTRAL_INPUTS: dict[str, float] = {
     "frequency_penalty": 0.0,
     "length_penalty": 1.0,
 }
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 # Inputs whose feature is not implemented: they must be false or absent.
 UNSUPPORTED_FLAGS = (
     "return_context_logits",
@@ -49,7 +50,11 @@ class GenerationRequest:
     stop_words: list[str] = field(default_factory=list)
     num_draft_tokens: int | None = None  # the most draft tokens per step; None: the server's
     fixed_num_draft_tokens: bool = False  # True: exactly num_draft_tokens (benchmarks, tests)
-    proposer: str | None = None  # "draft_model" or "ngram"; None: the server's proposers
+    # The proposers it may use, of the server's (specdec/loop/proposers/); (): all of them.
+    proposers: tuple[str, ...] = ()
+    # Text stored or cached under one salt is never proposed to, or reused by, a request
+    # with another (the suffix store, the prefix cache); "" is a salt like any other.
+    cache_salt: str = ""
     stream: bool = False
     stream_interval: int = 1  # streamed: output tokens gathered between responses
     exclude_input_in_output: bool = False
@@ -193,9 +198,17 @@ def parse_request(
     if fixed and num_draft_tokens is None:
         raise InvalidInput("fixed_num_draft_tokens", "needs num_draft_tokens")
     proposer = _strings(inputs, "proposer")
-    if len(proposer) > 1 or (proposer and proposer[0] not in proposers):
+    unknown = [name for name in proposer if name not in proposers]
+    if unknown or len(set(proposer)) != len(proposer):
         allowed, got = ", ".join(proposers), ", ".join(proposer)
-        raise InvalidInput("proposer", f"must be one of {allowed} (this server's), got {got}")
+        raise InvalidInput(
+            "proposer", f"each must be one of {allowed} (this server's), once; got {got}"
+        )
+    cache_salt = _strings(inputs, "cache_salt")
+    if len(cache_salt) > 1 or (cache_salt and len(cache_salt[0]) > MAX_CACHE_SALT):
+        raise InvalidInput(
+            "cache_salt", f"expected one string of at most {MAX_CACHE_SALT} characters"
+        )
 
     stream_interval = _scalar(inputs, "stream_interval", int, default_stream_interval)
     if stream_interval < 1:
@@ -239,7 +252,8 @@ def parse_request(
         stop_words=_strings(inputs, "stop_words"),
         num_draft_tokens=num_draft_tokens,
         fixed_num_draft_tokens=fixed,
-        proposer=proposer[0] if proposer else None,
+        proposers=tuple(proposer),
+        cache_salt=cache_salt[0] if cache_salt else "",
         stream=_scalar(inputs, "stream", bool, False),
         stream_interval=stream_interval,
         exclude_input_in_output=_scalar(inputs, "exclude_input_in_output", bool, False),
