@@ -47,6 +47,9 @@ class ScriptedPlanners:
     def offered(self, sequence_id, key):
         self.rows[sequence_id] = key
 
+    def worth(self, sequence_id, key, num_tokens):
+        return float(num_tokens)
+
     def plan(self, offers, sequence_ids, batch_size):
         self.asked.append(([(o.row, o.max_tokens, o.key) for o in offers], batch_size))
         return {o.row: o.max_tokens for o in offers if o.key in self.takes}
@@ -64,6 +67,7 @@ class ScriptedEconomics:
 
 def config(**kw) -> SchedulerConfig:
     kw.setdefault("default_draft_tokens", None)
+    kw.setdefault("proposer_names", ("draft_model", "ngram"))
     return SchedulerConfig(num_slots=8, max_context=64, max_draft_tokens=6, **kw)
 
 
@@ -96,6 +100,43 @@ def test_lookups_plan_first_and_the_model_gets_only_the_rows_they_left():
     assert model.asked == [(2, others)]
     assert plan.chosen_k == 4
     assert plan.calls_a_model
+
+
+class WorthPlanner(ScriptedPlanners):
+    """A lookup planner whose offers are worth `worth[first token]` (default 1)."""
+
+    def __init__(self, takes=(), worth=None) -> None:
+        super().__init__(takes=takes)
+        self.worth_by_token = worth or {}
+
+    def worth(self, sequence_id, key, num_tokens):
+        return self.worth_by_token.get(key, 1.0)
+
+
+def test_each_row_goes_to_the_lookup_its_tokens_are_worth_most_to_then_to_the_next():
+    """Rows 1 and 2: the suffix lookup is worth more, and takes them both; row 3: prompt
+    lookup is worth more but leaves it without tokens, so it is offered to suffix next, which
+    takes it; row 4: neither lookup takes it, and the draft model gets it."""
+    ngram, suffix = WorthPlanner(takes={3}, worth={3: 5.0}), WorthPlanner(takes={1, 2, 3})
+    suffix.worth_by_token = {1: 2.0, 2: 2.0, 3: 0.5, 4: 2.0}
+    model = ScriptedPlanners(k=4)
+    economics = ScriptedEconomics(ngram, model)
+    economics.lookup_planners["suffix"] = suffix
+    proposers = {
+        "draft_model": ScriptedProposer("draft_model", k=6, calls_model=True),
+        "ngram": ScriptedProposer("ngram", k=2),
+        "suffix": ScriptedProposer("suffix", k=3),
+    }
+    server = config(proposer_names=("draft_model", "ngram", "suffix"))
+    policy = ProposerPolicy(server, proposers, economics)  # type: ignore[arg-type]
+    ngram.takes = set()  # prompt lookup leaves row 3 without tokens
+    plan = policy.plan([row(1), row(2), row(3), row(4)])
+    assert plan.row_proposers == ["suffix", "suffix", "suffix", "draft_model"]
+    assert plan.ks == [3, 3, 3, 4]
+    # Asked in rounds: each for the rows it ranks first (suffix: 1, 2, 4; prompt lookup: 3),
+    # then each for the rows the other left (suffix: 3; prompt lookup: 4, which it leaves).
+    assert ngram.asked == [([(0, 2, 3)], 4), ([(0, 2, 4)], 4)]
+    assert suffix.asked == [([(0, 3, 1), (1, 3, 2), (2, 3, 4)], 4), ([(0, 3, 3)], 4)]
 
 
 def test_a_fixed_k_goes_to_the_first_proposer_and_is_capped_by_max_tokens_and_context():

@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import hf_greedy_text
-from specdec.client import PERF_OUTPUTS, generate
+from specdec.client import PERF_OUTPUTS, generate, scrape_metrics
+from specdec.loop.proposers.suffix import DEFAULT_STORE_BYTES
 
 pytestmark = pytest.mark.server
 
@@ -60,6 +61,9 @@ def test_greedy_equals_transformers_generate(server, references, k):
         {"proposer": "ngram", "num_draft_tokens": 8, "fixed_num_draft_tokens": True},
         {"proposer": "ngram"},  # k chosen per row
         {},  # the server's choice of proposer and k
+        # the store holds the answers to these prompts by now: long proposals, all checked
+        {"proposer": "suffix", "num_draft_tokens": 8, "fixed_num_draft_tokens": True},
+        {"proposer": ["suffix", "draft_model"]},
     ],
 )
 def test_prompt_lookup_greedy_equals_transformers_generate(server, references, speculation):
@@ -68,6 +72,21 @@ def test_prompt_lookup_greedy_equals_transformers_generate(server, references, s
     for prompt, result, expected in zip(PROMPTS, results, references, strict=True):
         assert result.error is None, result.error
         assert result.text == expected, prompt
+
+
+def test_the_suffix_store_is_fed_bounded_and_counted_on_metrics(server):
+    """Every answer feeds the store (its size gauges), and suffix proposals are counted by
+    proposer like the others' (the cases above ran by now or run here)."""
+    params = dict(max_tokens=NUM_TOKENS, proposer="suffix", num_draft_tokens=8)
+    run_concurrently(
+        server.url, "ensemble", [(p, dict(params, fixed_num_draft_tokens=True)) for p in PROMPTS]
+    )
+    metrics = scrape_metrics(server.metrics_url)
+    assert metrics['specdec_proposer_draft_tokens_total{proposer="suffix"}'] > 0
+    assert metrics['specdec_proposer_accepted_draft_tokens_total{proposer="suffix"}'] > 0
+    assert 0 < metrics["specdec_suffix_store_bytes"] <= DEFAULT_STORE_BYTES
+    assert metrics["specdec_suffix_store_tokens"] >= len(PROMPTS) * NUM_TOKENS
+    assert metrics["specdec_suffix_store_evictions_total"] == 0  # far below its bound
 
 
 def test_sixteen_concurrent_requests_give_their_solo_text(server):
@@ -158,6 +177,7 @@ DRAFTERS = {
     "draft k=1": dict(proposer="draft_model", num_draft_tokens=1, fixed_num_draft_tokens=True),
     "draft k=4": dict(proposer="draft_model", num_draft_tokens=4, fixed_num_draft_tokens=True),
     "lookup k=8": dict(proposer="ngram", num_draft_tokens=8, fixed_num_draft_tokens=True),
+    "suffix k=8": dict(proposer="suffix", num_draft_tokens=8, fixed_num_draft_tokens=True),
     "adaptive": {},
 }
 

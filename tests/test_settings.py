@@ -177,6 +177,7 @@ BAD = {
     "PROPOSERS": "medusa",
     "DEFAULT_NUM_DRAFT_TOKENS": "-1",
     "NGRAM_MATCH_LENGTHS": "1,2",
+    "SUFFIX_STORE_BYTES": "64MB",
     "MAX_QUEUE": "-1",
     "PREFIX_CACHE": "maybe",
     "PREFIX_MIN_TOKENS": "0",
@@ -205,6 +206,7 @@ GIVEN = {
     "PROPOSERS": "ngram",
     "DEFAULT_NUM_DRAFT_TOKENS": "3",
     "NGRAM_MATCH_LENGTHS": "4,2",
+    "SUFFIX_STORE_BYTES": "1048576",
     "MAX_QUEUE": "16",
     "PREFIX_CACHE": "off",
     "PREFIX_MIN_TOKENS": "32",
@@ -250,6 +252,7 @@ def test_the_loops_defaults_are_the_declared_ones():
     assert settings.MAX_QUEUE.read({}) == loop.max_queue
     assert settings.PROPOSERS.read({}) == loop.proposer_names
     assert settings.NGRAM_MATCH_LENGTHS.read({}) == loop.ngram_match_lengths
+    assert settings.SUFFIX_STORE_BYTES.read({}) == loop.suffix_store_bytes
     assert settings.PREFIX_MIN_TOKENS.read({}) == loop.prefix_min_tokens
     assert settings.PREFILL_CHUNK.read({}) == loop.prefill_chunk
 
@@ -508,6 +511,7 @@ def test_the_bls_creates_both_engines_from_its_settings(glue, monkeypatch, tmp_p
                 max_queue=16,
                 proposer_names=("ngram",),
                 ngram_match_lengths=(4, 2),
+                suffix_store_bytes=1048576,
                 prefix_min_tokens=32,
                 prefill_chunk=None,
             ),

@@ -578,11 +578,10 @@ class LookupPlanner:
         """Candidate index -> k, for the offers (max_tokens > 0) that pay or probe;
         `sequence_ids`: each candidate's sequence."""
         ledgers = [self.offered(sequence_ids[o.row], o.key) for o in offers]
-        options = []
-        for offer, ledger in zip(offers, ledgers, strict=True):
-            shared = self.window(offer.key).rates()
-            own = ledger.acceptance
-            options.append((offer.row, offer.max_tokens, own.rates(shared) if own else shared))
+        options = [
+            (offer.row, offer.max_tokens, self._rates(ledger, offer.key))
+            for offer, ledger in zip(offers, ledgers, strict=True)
+        ]
         plan = plan_tokens_by_gain(
             options,
             batch_size,
@@ -604,6 +603,19 @@ class LookupPlanner:
             ledger.idle = 0
             ks[offer.row] = k
         return ks
+
+    def worth(self, sequence_id: int, key: int | None, num_tokens: int) -> float:
+        """Expected tokens a row's offer adds to the verify's; infinite while no verdict has
+        reached its key (so that the key is explored, not judged by the cold prior)."""
+        if not self.window(key).explored:
+            return math.inf
+        ledger = self.rows.get(sequence_id, RowLedger())
+        return expected_tokens(self._rates(ledger, key), num_tokens) - 1.0
+
+    def _rates(self, ledger: RowLedger, key: int | None) -> list[float]:
+        """A row's acceptance by position: its own, shrunk towards every row's of the key."""
+        shared = self.window(key).rates()
+        return ledger.acceptance.rates(shared) if ledger.acceptance else shared
 
     def probe_interval(self, batch_size: int) -> int:
         """A probe's verify (a whole offer of max_k tokens, one more width) against a plain

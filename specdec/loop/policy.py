@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.economics import Economics, OtherRow, RowOffer
-from specdec.loop.proposers.base import Candidate, Proposer
+from specdec.loop.proposers.base import Candidate, Offer, Proposer
 from specdec.loop.sequence import SequenceState
 
 
@@ -60,7 +60,8 @@ class ProposerPolicy:
         self.proposers = proposers
         self.economics = economics
         # Proposers without a model call plan first: a lookup that does not pay costs nothing.
-        self.planning_order = sorted(proposers.values(), key=lambda p: p.calls_model)
+        self.lookups = [p for p in proposers.values() if not p.calls_model]
+        self.model_proposers = [p for p in proposers.values() if p.calls_model]
 
     def row_limit(self, sequence: SequenceState) -> tuple[int, bool]:
         """The row's most draft tokens per step, and whether it wants exactly that many: a
@@ -96,14 +97,11 @@ class ProposerPolicy:
             else:
                 for name in names:
                     offered[name].append(row)
-        for proposer in self.planning_order:
+        self._plan_lookups(plan, offered, max_ks)
+        for proposer in self.model_proposers:
             rows = [r for r in offered[proposer.name] if plan.row_proposers[r] is None]
             candidates = [Candidate(batch[r], max_ks[r]) for r in rows]
-            if proposer.calls_model:
-                ks = self._plan_model(plan, proposer, rows, candidates)
-            else:
-                ks = self._plan_lookups(proposer, candidates, len(batch))
-            for i, k in ks.items():
+            for i, k in self._plan_model(plan, proposer, rows, candidates).items():
                 plan.assign(rows[i], proposer, k)
         for rows in plan.calls.values():
             rows.sort()  # batch order, fixed-k rows among the others
@@ -117,17 +115,44 @@ class ProposerPolicy:
         plan.assign(row, proposer, min(offer.num_tokens, max_k))
 
     def _plan_lookups(
-        self, proposer: Proposer, candidates: list[Candidate], batch_size: int
-    ) -> dict[int, int]:
-        offers = []
-        for i, candidate in enumerate(candidates):
-            offer = proposer.offer(candidate)
-            if offer.num_tokens > 0:
-                offers.append(RowOffer(i, offer.num_tokens, offer.key))
-        if not offers:
-            return {}
-        planner = self.economics.lookup_planners[proposer.name]
-        return planner.plan(offers, [c.sequence.id for c in candidates], batch_size)
+        self, plan: StepPlan, offered: dict[str, list[int]], max_ks: list[int]
+    ) -> None:
+        """The rows the proposers without a model call take. Each row's offers are ranked
+        by what its tokens are worth to it (LookupPlanner.worth: its own acceptance under
+        each offer's key); every proposer plans the rows it ranks first, and a row that its
+        first choice leaves without tokens goes to its next, until none is left."""
+        ranked: dict[int, list[tuple[float, int, Proposer, Offer]]] = {}
+        for order, proposer in enumerate(self.lookups):
+            planner = self.economics.lookup_planners[proposer.name]
+            for row in offered[proposer.name]:
+                if plan.row_proposers[row] is not None:
+                    continue
+                offer = proposer.offer(Candidate(plan.batch[row], max_ks[row]))
+                if offer.num_tokens > 0:
+                    worth = planner.worth(plan.batch[row].id, offer.key, offer.num_tokens)
+                    ranked.setdefault(row, []).append((-worth, order, proposer, offer))
+        for options in ranked.values():
+            options.sort(key=lambda option: option[:2])
+        while ranked:
+            first: dict[str, list[int]] = {}
+            for row, options in ranked.items():
+                first.setdefault(options[0][2].name, []).append(row)
+            for name, rows in first.items():
+                proposer = self.proposers[name]
+                offers = []
+                for i, row in enumerate(rows):
+                    offer = ranked[row][0][3]
+                    offers.append(RowOffer(i, offer.num_tokens, offer.key))
+                planner = self.economics.lookup_planners[name]
+                ks = planner.plan(offers, [plan.batch[r].id for r in rows], len(plan.batch))
+                for i, row in enumerate(rows):
+                    if ks.get(i, 0) > 0:
+                        plan.assign(row, proposer, ks[i])
+                        del ranked[row]
+                    else:
+                        ranked[row].pop(0)
+                        if not ranked[row]:
+                            del ranked[row]
 
     def _plan_model(
         self, plan: StepPlan, proposer: Proposer, rows: list[int], candidates: list[Candidate]

@@ -35,7 +35,9 @@ from specdec.loop.policy import ProposerPolicy, StepPlan
 from specdec.loop.prefix_cache import PrefixCounts
 from specdec.loop.proposers import REGISTRY
 from specdec.loop.proposers.base import Proposal, Proposer
+from specdec.loop.proposers.suffix import SuffixProposer
 from specdec.loop.sequence import CacheCopy, SequenceState, Update, engine_batch
+from specdec.loop.suffix_store import StoreCounts
 from specdec.loop.timing import EngineCall, MeteredEngines
 from specdec.loop.verify import Verdict, verify
 from specdec.text.detokenizer import Decode
@@ -98,6 +100,7 @@ class LoopSnapshot:
     num_free_slots: int  # slots a waiting sequence may take now (cached prefixes give way)
     prefix_counts: PrefixCounts  # totals since start-up
     num_cached_prefixes: int
+    suffix_store: StoreCounts | None = None  # the suffix proposer's store, where it runs
 
 
 @dataclass
@@ -146,7 +149,14 @@ class SpeculativeScheduler:
             num_free_slots=free,
             prefix_counts=dataclasses.replace(admission.slots.counts),
             num_cached_prefixes=len(admission.slots.cached),
+            suffix_store=self._suffix_store_counts(),
         )
+
+    def _suffix_store_counts(self) -> StoreCounts | None:
+        proposer = self.proposers.get(SuffixProposer.name)
+        if not isinstance(proposer, SuffixProposer):
+            return None
+        return dataclasses.replace(proposer.store.counts)
 
     def submit(self, request: GenerationRequest) -> SequenceState:
         """Queues a request; returns its first sequence (see submit_all for the others)."""
@@ -200,6 +210,8 @@ class SpeculativeScheduler:
             return StepResult(self.snapshot())
         execution = self.execute(work)
         updates, verdicts = self.commit(work, execution)
+        for proposer in self.proposers.values():
+            proposer.committed(work.plan.batch)
         self.economics.observe_calls(execution.calls, work.steady)
         self.economics.end_step(work.plan.calls)
         batch = work.plan.batch

@@ -165,6 +165,7 @@ class TritonPythonModel:
             max_queue=settings.MAX_QUEUE.read(params),
             proposer_names=settings.PROPOSERS.read(params),
             ngram_match_lengths=settings.NGRAM_MATCH_LENGTHS.read(params),
+            suffix_store_bytes=settings.SUFFIX_STORE_BYTES.read(params),
             prefix_min_tokens=prefix_min_tokens if settings.PREFIX_CACHE.read(params) else None,
             prefill_chunk=settings.PREFILL_CHUNK.read(params),
         )
@@ -405,6 +406,8 @@ class TritonPythonModel:
             len(snapshot.running), snapshot.num_waiting, snapshot.num_free_slots
         )
         self.metrics.record_prefix_counts(snapshot.prefix_counts, snapshot.num_cached_prefixes)
+        if snapshot.suffix_store is not None:
+            self.metrics.record_suffix_store(snapshot.suffix_store)
 
     def _mark_cancelled(self, snapshot: LoopSnapshot) -> None:
         """Drops cancelled streams, every sequence of the request. is_cancelled() crosses a

@@ -175,6 +175,23 @@ FAMILIES = (
         "Cached prefixes dropped to give their slot to a new sequence",
     ),
     Family("specdec_cached_prefixes", "gauge", "Free KV slots that hold a reusable prefix"),
+    Family(
+        "specdec_suffix_store_bytes",
+        "gauge",
+        "The suffix proposer's store of earlier requests' text: its size as counted, in bytes "
+        "(at most SUFFIX_STORE_BYTES)",
+    ),
+    Family("specdec_suffix_store_tokens", "gauge", "Tokens of text the suffix store holds"),
+    Family(
+        "specdec_suffix_store_evicted_tokens_total",
+        "counter",
+        "Tokens of text evicted from the suffix store (the oldest first) to keep its bound",
+    ),
+    Family(
+        "specdec_suffix_store_evictions_total",
+        "counter",
+        "Requests' texts evicted from the suffix store",
+    ),
 )
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 

@@ -16,8 +16,9 @@ from collections import Counter
 import triton_python_backend_utils as pb_utils
 
 from specdec.loop.prefix_cache import PrefixCounts
-from specdec.loop.proposers import PROPOSERS
+from specdec.loop.proposers import REGISTRY
 from specdec.loop.scheduler import IterationStats
+from specdec.loop.suffix_store import StoreCounts
 from specdec.serving.metric_names import (
     CALIBRATED,
     ENGINE_CALL_KINDS,
@@ -64,7 +65,7 @@ class LoopMetrics:
                 metric("specdec_proposer_draft_tokens_total", proposer=name),
                 metric("specdec_proposer_accepted_draft_tokens_total", proposer=name),
             )
-            for name in PROPOSERS
+            for name in REGISTRY
         }
         self.requests = {o: metric(REQUESTS, outcome=o) for o in REQUEST_OUTCOMES}
         self.sequences = {o: metric(SEQUENCES, outcome=o) for o in SEQUENCE_OUTCOMES}
@@ -89,6 +90,12 @@ class LoopMetrics:
         self.prefix_counters = {field: metric(name) for field, name in PREFIX_COUNTERS.items()}
         self.prefix_flushed = PrefixCounts()
         self.cached_prefixes = metric("specdec_cached_prefixes")
+        # The suffix proposer's store (specdec/loop/suffix_store.py): size now, evictions.
+        self.suffix_bytes = metric("specdec_suffix_store_bytes")
+        self.suffix_tokens = metric("specdec_suffix_store_tokens")
+        self.suffix_evicted_tokens = metric("specdec_suffix_store_evicted_tokens_total")
+        self.suffix_evictions = metric("specdec_suffix_store_evictions_total")
+        self.suffix_flushed = StoreCounts()
 
     def _metric(self, name: str, **labels: str):
         """The metric of a family of the table with these labels (its label names, all)."""
@@ -152,6 +159,18 @@ class LoopMetrics:
             self.pending.increment(metric, total - getattr(self.prefix_flushed, name))
             setattr(self.prefix_flushed, name, total)
         self.pending.set(self.cached_prefixes, num_cached)
+
+    def record_suffix_store(self, counts: StoreCounts) -> None:
+        """The suffix store's size now and its evictions since start-up."""
+        pending, flushed = self.pending, self.suffix_flushed
+        pending.set(self.suffix_bytes, counts.num_bytes)
+        pending.set(self.suffix_tokens, counts.num_tokens)
+        evicted = counts.num_evicted_tokens - flushed.num_evicted_tokens
+        pending.increment(self.suffix_evicted_tokens, evicted)
+        pending.increment(
+            self.suffix_evictions, counts.num_evicted_documents - flushed.num_evicted_documents
+        )
+        self.suffix_flushed = counts
 
     def update_occupancy(self, num_running: int, num_waiting: int, free_slots: int) -> None:
         """After every step, also one that ran nothing (the last streams were cancelled)."""

@@ -76,6 +76,11 @@ def parse_max_queue(name: str, value: str) -> int:
     return parse_count(name, value, 0)
 
 
+def parse_bytes(name: str, value: str) -> int:
+    """A size in bytes, 0 or more."""
+    return parse_count(name, value, 0)
+
+
 def one_of(*choices: str) -> Callable[[str, str], str]:
     """A parser of a setting that takes one of `choices`."""
 
@@ -410,7 +415,8 @@ PROPOSERS = Setting(
     loop_default("proposer_names"),
     parse_proposers,
     "where draft tokens come from, in order of preference: `draft_model` (the draft model), "
-    '`ngram` (prompt lookup, no model call); `""`: no speculation',
+    "`ngram` (prompt lookup, no model call), `suffix` (earlier requests' text and the row's "
+    'own, no model call); `""`: no speculation',
     empty_is_value=True,
 )
 DEFAULT_NUM_DRAFT_TOKENS = Setting(
@@ -429,6 +435,15 @@ NGRAM_MATCH_LENGTHS = Setting(
     loop_default("ngram_match_lengths"),
     parse_match_lengths,
     "prompt lookup's suffix lengths, tried longest first (a longer match is a surer guess)",
+)
+SUFFIX_STORE_BYTES = Setting(
+    "SUFFIX_STORE_BYTES",
+    "suffix_store_bytes",
+    (BLS_MODEL,),
+    loop_default("suffix_store_bytes"),
+    parse_bytes,
+    "the suffix proposer's store of earlier requests' text, in bytes; the oldest text is "
+    "evicted first",
 )
 MAX_QUEUE = Setting(
     "MAX_QUEUE",
@@ -537,6 +552,7 @@ SETTINGS: tuple[Setting, ...] = (
     PROPOSERS,
     DEFAULT_NUM_DRAFT_TOKENS,
     NGRAM_MATCH_LENGTHS,
+    SUFFIX_STORE_BYTES,
     MAX_QUEUE,
     PREFIX_CACHE,
     PREFIX_MIN_TOKENS,

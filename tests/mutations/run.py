@@ -181,6 +181,22 @@ MUTANTS = [
         tests=("tests/test_settings.py::test_the_bls_builds_its_loop_from_its_settings",),
     ),
     Mutant(
+        "suffix-store-ignores-salt",
+        "the suffix store proposes to a row from every salt's text",
+        "specdec/loop/suffix_store.py",
+        "index = self.indexes.get(salt)",
+        "index = next(iter(self.indexes.values()), None)",
+        tests=("tests/test_suffix.py",),
+    ),
+    Mutant(
+        "suffix-eviction-keeps-counts",
+        "evicting a document from the suffix store leaves its counts in the tables",
+        "specdec/loop/suffix_store.py",
+        "                index.remove(text, end)",
+        "                pass",
+        tests=("tests/test_suffix.py",),
+    ),
+    Mutant(
         "padding-writes-real-positions",
         "a padded call's padding tokens write the first positions of their slots",
         "specdec/engines/graphs.py",

@@ -8,9 +8,13 @@ from __future__ import annotations
 from specdec.loop.proposers.base import Proposer
 from specdec.loop.proposers.draft_model import DraftModelProposer
 from specdec.loop.proposers.ngram import NgramProposer
+from specdec.loop.proposers.suffix import SuffixProposer
 
 REGISTRY: dict[str, type[Proposer]] = {
     DraftModelProposer.name: DraftModelProposer,
     NgramProposer.name: NgramProposer,
+    SuffixProposer.name: SuffixProposer,
 }
-PROPOSERS = tuple(REGISTRY)  # the default order of preference: a fixed k goes to the first
+# Those a server runs unless PROPOSERS says otherwise, in order of preference (a fixed k
+# goes to the first).
+PROPOSERS = tuple(REGISTRY)

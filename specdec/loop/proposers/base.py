@@ -15,6 +15,8 @@ and implements:
 - `probe`: how a model proposer refreshes its acceptance while its rows decode plainly;
 - `propose`: one proposal for each of its rows, all at once. A proposal may carry
   first-position verdicts the proposer saw without a verify (a draft's hindsight guesses);
+- `committed`: the step's rows took their tokens (a proposer that learns across requests
+  reads them);
 - `release`: the sequence ended, drop its per-row state.
 
 Each step the policy (specdec/loop/policy.py) offers the proposers the rows they may serve,
@@ -86,6 +88,10 @@ class Proposer(ABC):
         """One proposal per row, of ks[i] tokens (a model proposer may be called for a row
         with k = 0: its draft catches up). `copies`: prompt caches a model proposer copies
         into its cache before the call (specdec/loop/admission.py)."""
+
+    def committed(self, batch: list[SequenceState]) -> None:  # noqa: B027
+        """The step committed these rows' tokens (every row of the batch, whoever proposed
+        for it): a proposer that learns from all text reads it here."""
 
     def release(self, sequence: SequenceState) -> None:  # noqa: B027
         """The sequence ended: drop its per-row state."""
