@@ -221,6 +221,14 @@ MUTANTS = [
         "",
         tests=PREFIX,
     ),
+    Mutant(
+        "openai-body-salt-raw",
+        "with API keys, a request's own cache_salt goes to Triton: any tenant may name another's",
+        "specdec/openai_api/app.py",
+        "cache_salt = backend.config.keys.cache_salt(key_digest, body.cache_salt)",
+        "cache_salt = body.cache_salt",
+        tests=("tests/test_openai_auth.py::test_each_key_reaches_triton_with_its_own_cache_salt",),
+    ),
 ]
 
 
