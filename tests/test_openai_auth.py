@@ -7,6 +7,7 @@ one through the `openai` package."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import os
@@ -21,6 +22,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from tls import make_ca, require_openssl
+from tritonclient.utils import deserialize_bytes_tensor
 
 from live import openai_api_process, scrape, wait_for
 from specdec.openai_api import app as openai_api
@@ -33,10 +35,12 @@ from test_openai_api import MODEL
 KEY_A = "sk-test-a-7f3c9e21"  # OPENAI_API_KEYS
 KEY_B = "sk-test-b-0d4a6b58"  # OPENAI_API_KEYS_FILE
 WRONG_KEY = "sk-test-wrong-55e1"
+SALT_SECRET = "salt-secret-3b9f0c7e2a41"  # OPENAI_CACHE_SALT_SECRET
 ACCESS_VARS = (
     "OPENAI_API_KEYS",
     "OPENAI_API_KEYS_FILE",
     "MAX_CONCURRENT_PER_KEY",
+    "OPENAI_CACHE_SALT_SECRET",
     "TRITON_INFERENCE_KEY",
     "GRPC_SSL_ROOT_CERT",
 )
@@ -101,6 +105,41 @@ def test_a_bad_port_is_refused_naming_it(name, text):
 def test_max_concurrent_per_key_needs_keys():
     with pytest.raises(SettingError, match="MAX_CONCURRENT_PER_KEY.*needs OPENAI_API_KEYS"):
         ApiKeys.from_env({"MAX_CONCURRENT_PER_KEY": "2"})
+
+
+@pytest.mark.parametrize("secret", ["short-secret", "sk-0123456789"])
+def test_a_short_cache_salt_secret_is_refused_unseen(secret):
+    with pytest.raises(SettingError, match="^OPENAI_CACHE_SALT_SECRET: at least 16") as refused:
+        ApiKeys.from_env({"OPENAI_API_KEYS": KEY_A, "OPENAI_CACHE_SALT_SECRET": secret})
+    assert secret not in str(refused.value)
+
+
+# -- cache salts ---------------------------------------------------------------------------
+def test_each_keys_cache_salt_is_a_keyed_hash_that_a_body_salt_only_splits():
+    env = {"OPENAI_API_KEYS": f"{KEY_A},{KEY_B}", "OPENAI_CACHE_SALT_SECRET": SALT_SECRET}
+    keys = ApiKeys.from_env(env)
+    a, b = keys.match(KEY_A.encode()), keys.match(KEY_B.encode())
+    salt_a, salt_b = keys.cache_salt(a, None), keys.cache_salt(b, None)
+    expected = hmac.new(SALT_SECRET.encode(), hashlib.sha256(KEY_A.encode()).digest(), "sha256")
+    assert salt_a == expected.hexdigest() and len(salt_a) == 64  # as auth.py documents it
+    assert salt_a != salt_b and KEY_A not in salt_a
+    assert keys.cache_salt(a, "") == salt_a  # an empty body salt is none
+    split = keys.cache_salt(a, "project-1")
+    assert split not in (salt_a, keys.cache_salt(b, "project-1"), keys.cache_salt(a, "project-2"))
+    assert keys.cache_salt(a, salt_b) != salt_b  # naming another key's salt does not join it
+    assert ApiKeys.from_env(env).cache_salt(a, None) == salt_a  # the set secret: stable
+    unset = {"OPENAI_API_KEYS": KEY_A, "OPENAI_CACHE_SALT_SECRET": ""}
+    assert ApiKeys.from_env(unset).cache_salt(a, None) != ApiKeys.from_env(unset).cache_salt(
+        a, None
+    )  # random at each start
+    with pytest.raises(ValueError, match="without a key"):
+        keys.cache_salt(None, "project-1")
+
+
+def test_an_open_api_passes_the_body_salt_as_given():
+    keys = ApiKeys.from_env({})
+    assert keys.cache_salt(None, "tenant-7") == "tenant-7"
+    assert keys.cache_salt(None, None) is None
 
 
 # -- matching ------------------------------------------------------------------------------
@@ -233,6 +272,7 @@ class FakeTriton:
 
     built: list[tuple[str, dict]] = []
     headers: list[tuple[str, object]] = []
+    sent: list[dict] = []  # each stream's inputs by name
 
     def __init__(self, url: str, **kwargs) -> None:
         FakeTriton.built.append((url, kwargs))
@@ -253,17 +293,24 @@ class FakeTriton:
 
     def stream_infer(self, inputs_iterator, headers=None):
         FakeTriton.headers.append(("stream_infer", headers))
-        return FakeCall()
+        return FakeCall(inputs_iterator)
 
     async def close(self) -> None:
         pass
 
 
 class FakeCall:
+    """One stream: reads its request as gRPC would, keeping its inputs in FakeTriton.sent."""
+
+    def __init__(self, requests) -> None:
+        self.requests = requests
+
     def __aiter__(self):
         return self._responses()
 
     async def _responses(self):
+        async for request in self.requests:
+            FakeTriton.sent.append({tensor.name(): tensor for tensor in request["inputs"]})
         outputs = {
             "batch_index": np.array([[0]]),
             "sequence_index": np.array([[0]]),
@@ -322,6 +369,41 @@ def test_a_requests_user_goes_to_triton_as_its_session_key(monkeypatch):
     assert sent == [{**key, SESSION_HEADER: "conv-7"}, key]
 
 
+def sent_salts() -> list[str | None]:
+    """The cache_salt each stream carried (None: no such input)."""
+    salts = []
+    for inputs in FakeTriton.sent:
+        tensor = inputs.get("cache_salt")  # its bytes as tritonclient serialized them
+        values = None if tensor is None else deserialize_bytes_tensor(tensor._get_content())
+        salts.append(None if values is None else values[0].decode())
+    return salts
+
+
+def test_each_key_reaches_triton_with_its_own_cache_salt(monkeypatch):
+    """Keyed: the salt Triton gets is the key's (a body salt splits it further), never the
+    body's own; open: the body's, or none."""
+    monkeypatch.setattr(openai_api.grpcaio, "InferenceServerClient", FakeTriton)
+    monkeypatch.setattr(openai_api, "load_tokenizer", lambda path: None)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    calls = [(KEY_A, {}), (KEY_B, {}), (KEY_A, {}), (KEY_A, {"cache_salt": "project-1"})]
+    config = openai_api.ApiConfig.from_env(gate_env(OPENAI_CACHE_SALT_SECRET=SALT_SECRET))
+    FakeTriton.sent = []
+    with TestClient(openai_api.create_app(config)) as http:
+        for key, extra in calls:
+            auth = {"Authorization": f"Bearer {key}"}
+            assert http.post("/v1/completions", json=body | extra, headers=auth).status_code == 200
+    keys = config.keys
+    expected = [keys.cache_salt(keys.match(k.encode()), e.get("cache_salt")) for k, e in calls]
+    assert sent_salts() == expected and len(set(expected)) == 3
+    assert "project-1" not in sent_salts()
+
+    FakeTriton.sent = []
+    with TestClient(openai_api.create_app(openai_api.ApiConfig.from_env({}))) as http:
+        for extra in ({"cache_salt": "tenant-7"}, {}):
+            assert http.post("/v1/completions", json=body | extra).status_code == 200
+    assert sent_salts() == ["tenant-7", None]
+
+
 # -- start-up refusals (a subprocess; nothing listens on its GRPC_PORT) --------------------
 def start_api_alone(env: dict[str, str]) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if k not in ACCESS_VARS}
@@ -345,8 +427,18 @@ def start_api_alone(env: dict[str, str]) -> subprocess.Popen:
         ({"OPENAI_API_KEYS": KEY_A, "MAX_CONCURRENT_PER_KEY": "-1"}, ["MAX_CONCURRENT_PER_KEY"]),
         ({"MAX_CONCURRENT_PER_KEY": "2"}, ["MAX_CONCURRENT_PER_KEY", "OPENAI_API_KEYS"]),
         ({"GRPC_SSL_ROOT_CERT": "/nonexistent/ca.pem"}, ["GRPC_SSL_ROOT_CERT", "/nonexistent"]),
+        ({"OPENAI_CACHE_SALT_SECRET": "short"}, ["OPENAI_CACHE_SALT_SECRET"]),
     ],
-    ids=["missing-file", "empty-file", "empty-key", "blank-key", "bad-max", "max-no-key", "cert"],
+    ids=[
+        "missing-file",
+        "empty-file",
+        "empty-key",
+        "blank-key",
+        "bad-max",
+        "max-no-key",
+        "cert",
+        "short-salt-secret",
+    ],
 )
 def test_a_setting_that_cannot_work_stops_the_start(tmp_path, env, names):
     if env.get("OPENAI_API_KEYS_FILE") == "EMPTY":

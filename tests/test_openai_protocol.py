@@ -65,6 +65,10 @@ def test_validation_errors_name_the_field():
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stream_interval": 0})
     assert validation_error(interval.value.errors()).param == "stream_interval"
 
+    with pytest.raises(ValidationError) as salt:
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", "cache_salt": "s" * 257})
+    assert validation_error(salt.value.errors()).param == "cache_salt"
+
 
 def test_triton_errors_become_openai_errors_naming_the_openai_field():
     bad_n = triton_error(
@@ -99,6 +103,14 @@ def test_triton_params_send_only_what_was_given():
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream_interval": 4}
     )
     assert triton_params(streamed, 16)["stream_interval"] == 4
+
+
+def test_the_cache_salt_sent_is_the_one_given_never_the_bodys_own():
+    """The app passes what the API's keys make of the body's salt (auth.ApiKeys.cache_salt):
+    with keys, the body's own must not reach Triton."""
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "cache_salt": "t-1"})
+    assert "cache_salt" not in triton_params(body, 16)
+    assert triton_params(body, 16, "f" * 64)["cache_salt"] == "f" * 64
 
 
 def test_usage_counts_each_prompt_once_and_every_sequence():

@@ -11,8 +11,10 @@ from fakes import FakeEngines, fake_decode, oracle_continuation
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.prefix_cache import SlotPool, common_prefix_length
 from specdec.loop.scheduler import SpeculativeScheduler
+from specdec.loop.sequence import SequenceState
 from specdec.server_config import ServerConfig
 from specdec.serving.settings import parse_prefix_cache, parse_prefix_min_tokens
+from specdec.text.detokenizer import IncrementalDetokenizer
 from specdec.text.request import GenerationRequest
 from test_scheduler import request, run_all
 
@@ -29,6 +31,13 @@ def make_scheduler(num_slots=4, k=2, min_tokens: int | None = 4):
     return SpeculativeScheduler(engines, config, fake_decode), engines
 
 
+def running_sequence(salt: str = "") -> SequenceState:
+    """A running sequence as find() reads it: its request's salt (its slot and tokens come
+    in find's tuple)."""
+    detokenizer = IncrementalDetokenizer(fake_decode, [])
+    return SequenceState(request(PROMPT, 1, cache_salt=salt), detokenizer, seed=0)
+
+
 # -- the pool ---------------------------------------------------------------------------
 def test_common_prefix_length():
     a = np.array([1, 2, 3, 4])
@@ -41,59 +50,75 @@ def test_common_prefix_length():
 def test_free_slots_go_lowest_empty_first_then_least_recently_cached():
     pool = SlotPool(4, min_tokens=2)
     assert [pool.take() for _ in range(4)] == [0, 1, 2, 3]
-    pool.give_back(2, [7, 7, 7], draft_length=3)
-    pool.give_back(0, [8, 8, 8], draft_length=3)
-    pool.give_back(3, [9], draft_length=1)  # shorter than min_tokens: kept empty
+    pool.give_back(2, [7, 7, 7], draft_length=3, salt="")
+    pool.give_back(0, [8, 8, 8], draft_length=3, salt="")
+    pool.give_back(3, [9], draft_length=1, salt="")  # shorter than min_tokens: kept empty
     assert pool.num_free == 3
     assert pool.take() == 3  # the empty one first
     assert pool.take() == 2  # then the least recently cached
     assert pool.counts.num_evictions == 1
-    assert pool.find([8, 8, 8, 5]) is not None  # slot 0's prefix is still there
-    assert pool.find([7, 7, 7, 5]) is None  # slot 2's was dropped
+    assert pool.find([8, 8, 8, 5], "") is not None  # slot 0's prefix is still there
+    assert pool.find([7, 7, 7, 5], "") is None  # slot 2's was dropped
 
 
 def test_the_longest_prefix_wins_and_a_tie_goes_to_a_free_slot():
     pool = SlotPool(4, min_tokens=2)
     for _ in range(4):
         pool.take()
-    pool.give_back(1, [1, 2, 3], draft_length=2)
-    pool.give_back(2, [1, 2, 3, 4, 5], draft_length=5)
-    match = pool.find([1, 2, 3, 4, 6, 7])
+    pool.give_back(1, [1, 2, 3], draft_length=2, salt="")
+    pool.give_back(2, [1, 2, 3, 4, 5], draft_length=5, salt="")
+    match = pool.find([1, 2, 3, 4, 6, 7], "")
     assert (match.slot, match.length, match.draft_length, match.running) == (2, 4, 4, False)
     # The prompt's last token is never reused: it is fed to make the first output token.
-    match = pool.find([1, 2, 3, 4, 5])
+    match = pool.find([1, 2, 3, 4, 5], "")
     assert (match.slot, match.length) == (2, 4)
     # A running sequence with a longer prefix is copied from; with an equal one, the free
     # slot is adopted (nothing to copy).
-    running = object()
-    match = pool.find([1, 2, 3, 4, 5, 6, 7], [(0, [1, 2, 3, 4, 5, 6, 9], 6, running)])
+    running = running_sequence()
+    match = pool.find([1, 2, 3, 4, 5, 6, 7], "", [(0, [1, 2, 3, 4, 5, 6, 9], 6, running)])
     assert (match.slot, match.length, match.running) == (0, 6, True)
-    match = pool.find([1, 2, 3, 4, 5, 6], [(0, [1, 2, 3, 4, 5, 6], 4, running)])
+    match = pool.find([1, 2, 3, 4, 5, 6], "", [(0, [1, 2, 3, 4, 5, 6], 4, running)])
     assert (match.slot, match.length, match.running) == (2, 5, False)
     # Only what the running sequence's cache holds (its valid positions) counts.
-    assert pool.find([5, 6, 9], [(0, [5, 6, 9, 9], 1, running)]) is None
+    assert pool.find([5, 6, 9], "", [(0, [5, 6, 9, 9], 1, running)]) is None
 
 
 def test_below_min_tokens_or_off_nothing_is_reused():
     pool = SlotPool(2, min_tokens=3)
     pool.take(), pool.take()
-    pool.give_back(0, [1, 2, 3, 4], draft_length=4)
-    assert pool.find([1, 2, 5, 6]) is None  # 2 shared < 3
-    assert pool.find([1, 2, 3, 9]).length == 3
+    pool.give_back(0, [1, 2, 3, 4], draft_length=4, salt="")
+    assert pool.find([1, 2, 5, 6], "") is None  # 2 shared < 3
+    assert pool.find([1, 2, 3, 9], "").length == 3
     off = SlotPool(2, min_tokens=None)
     off.take(), off.take()
-    off.give_back(0, [1, 2, 3, 4], draft_length=4)
-    assert off.find([1, 2, 3, 4, 5]) is None and off.num_free == 1
+    off.give_back(0, [1, 2, 3, 4], draft_length=4, salt="")
+    assert off.find([1, 2, 3, 4, 5], "") is None and off.num_free == 1
     with pytest.raises(ValueError, match="prefix_min_tokens"):
         SlotPool(2, min_tokens=0)
+
+
+def test_a_prefix_is_reused_only_under_the_salt_it_was_left_with():
+    pool = SlotPool(4, min_tokens=2)
+    for _ in range(4):
+        pool.take()
+    pool.give_back(1, [1, 2, 3, 4], draft_length=4, salt="tenant-a")
+    running = [(0, [5, 6, 7, 8], 4, running_sequence("tenant-a"))]
+    for prompt, slot in (([1, 2, 3, 9], 1), ([5, 6, 7, 9], 0)):  # cached, then running
+        assert pool.find(prompt, "tenant-b", running) is None
+        assert pool.find(prompt, "", running) is None  # no salt is a salt like any other
+        assert pool.find(prompt, "tenant-a", running).slot == slot
+    # The same tokens left under two salts: each finds its own.
+    pool.give_back(2, [1, 2, 3, 4], draft_length=4, salt="tenant-b")
+    assert pool.find([1, 2, 3, 9], "tenant-b").slot == 2
+    assert pool.find([1, 2, 3, 9], "tenant-a").slot == 1
 
 
 def test_forget_all_empties_the_cache():
     pool = SlotPool(2, min_tokens=1)
     pool.take(), pool.take()
-    pool.give_back(1, [4, 4], draft_length=2)
+    pool.give_back(1, [4, 4], draft_length=2, salt="")
     pool.forget_all()
-    assert pool.find([4, 4, 4]) is None and pool.num_free == 1
+    assert pool.find([4, 4, 4], "") is None and pool.num_free == 1
     assert pool.take() == 1 and pool.counts.num_evictions == 0
 
 
@@ -143,6 +168,31 @@ def test_a_prompt_that_shares_a_running_sequences_start_copies_it():
     run_all(scheduler)
     assert later.token_ids[len(PROMPT) + 3 :] == oracle_continuation(PROMPT + [6, 6, 6], 8)
     assert long_runner.token_ids[len(PROMPT) + 2 :] == oracle_continuation(PROMPT + [7, 7], 30)
+
+
+def test_another_salt_reuses_nothing_from_a_cached_or_running_sequence():
+    """The same prompt under another salt prefills in full, from a finished turn's cached
+    slot as from a running sequence; under the same salt it starts from them."""
+    scheduler, engines = make_scheduler(num_slots=4, k=2)
+    first = scheduler.submit(request(PROMPT, 6, cache_salt="a"))
+    run_all(scheduler)
+    turn = first.token_ids + [4, 4]
+    other, same = (scheduler.submit(request(turn, 6, cache_salt=s)) for s in ("b", "a"))
+    run_all(scheduler)
+    assert other.num_copied_positions == 0
+    assert same.num_copied_positions == len(first.token_ids) - 1
+    assert scheduler.snapshot().prefix_counts.num_hits == 1
+    for sequence in (other, same):
+        assert sequence.token_ids[len(turn) :] == oracle_continuation(turn, 6)
+
+    runner = scheduler.submit(request(PROMPT + [7, 7], 30, cache_salt="r"))
+    scheduler.step()  # its prefill
+    other, same = (scheduler.submit(request(PROMPT + [6, 6], 8, cache_salt=s)) for s in "sr")
+    scheduler.step()
+    copied_into = {destination for _, destination, _ in engines.copies}
+    assert other.slot not in copied_into and other.num_copied_positions == 0
+    assert (runner.slot, same.slot, len(PROMPT)) in engines.copies
+    assert scheduler.snapshot().prefix_counts.num_hits == 2
 
 
 def test_cached_prefixes_never_make_a_request_wait():

@@ -27,14 +27,15 @@ SYSTEM = (
 QUESTIONS = ("a block plane", "a drawknife", "a spokeshave", "an auger")
 
 
-def ask(server, prompt: str, max_tokens: int = 16):
+def ask(server, prompt: str, max_tokens: int = 16, model="speculative_decoding", **params):
     result = generate(
         prompt,
         url=server.url,
-        model="speculative_decoding",
+        model=model,
         max_tokens=max_tokens,
         exclude_input_in_output=True,
         return_perf_metrics=True,
+        **params,
     )
     assert result.error is None, result.error
     return result
@@ -55,6 +56,25 @@ def test_a_next_turn_starts_from_the_first_and_gives_the_reference_text(server, 
     assert after[HITS] - before[HITS] == 1
     assert after[REUSED] - before[REUSED] == second.metrics["kv_cache_reused_blocks"]
     assert second.text == hf_greedy_text(hf_target, second_prompt, 16)
+
+
+def test_a_prompt_under_another_cache_salt_reuses_nothing_and_under_the_same_it_does(server):
+    """Tenants apart: the same long prompt under another salt prefills in full; under the
+    first salt again it starts from the cached prompt. The last goes through the ensemble,
+    which must pass the salt on: the prompt starts unlike the other tests' (cached under the
+    salt ""), so under "" it would find nothing."""
+    prompt = "Salted. " + SYSTEM + question("a mortise chisel")
+    first = ask(server, prompt, cache_salt="salt-test-tenant-a")
+    before = scrape(server.metrics_url)
+    other = ask(server, prompt, cache_salt="salt-test-tenant-b")
+    between = scrape(server.metrics_url)
+    same = ask(server, prompt, model="ensemble", cache_salt="salt-test-tenant-a")
+    after = scrape(server.metrics_url)
+    assert other.metrics["kv_cache_reused_blocks"] == 0
+    assert between[HITS] == before[HITS]
+    assert same.metrics["kv_cache_reused_blocks"] >= MIN_TOKENS
+    assert after[HITS] - between[HITS] == 1
+    assert first.text == other.text == same.text  # output never depends on the cache
 
 
 def test_concurrent_questions_after_one_system_text_each_give_the_reference_text(server, hf_target):

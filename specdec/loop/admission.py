@@ -5,7 +5,7 @@ done; the caches of both engines are addressed by the sequence's slot. The seque
 one prompt asks for (num_return_sequences) share its prompt cache: the first fills it, the
 others copy it into their slots at their first step instead of computing it again. Other
 requests whose prompts start with a cached or running sequence's tokens start from those
-(specdec/loop/prefix_cache.py).
+(specdec/loop/prefix_cache.py), when both requests carry the same cache_salt.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import itertools
 import secrets
 from collections.abc import Callable
 
-from specdec.loop.prefix_cache import PrefixMatch, SlotPool
+from specdec.loop.prefix_cache import PrefixKey, PrefixMatch, SlotPool
 from specdec.loop.sequence import CacheCopy, SequenceState
 from specdec.text.detokenizer import Decode, IncrementalDetokenizer
 from specdec.text.request import GenerationRequest
@@ -41,7 +41,7 @@ class Admission:
         self.running: list[SequenceState] = []
         self.slots = SlotPool(num_slots, prefix_min_tokens)
         # Running sequences whose prompts may be copied from, by their first tokens.
-        self.running_by_key: dict[tuple[int, ...], set[SequenceState]] = {}
+        self.running_by_key: dict[PrefixKey, set[SequenceState]] = {}
         self._ids = itertools.count()
         self.num_cancelled_waiting = 0  # cancelled sequences still in self.waiting
 
@@ -107,8 +107,9 @@ class Admission:
             sequence.copy_source_slot, sequence.copy_from = parent.slot, parent
             sequence.copy_length = len(prompt_ids) - 1  # the last prompt token is fed
             return
-        key = self.slots.key(prompt_ids[:-1])  # the prompt's last token is always fed
-        match = None if key is None else self._find_prefix(prompt_ids, key)
+        salt = sequence.request.cache_salt
+        key = self.slots.key(prompt_ids[:-1], salt)  # the prompt's last token is always fed
+        match = None if key is None else self._find_prefix(prompt_ids, salt, key)
         if match is None:
             sequence.slot = self.slots.take()
         elif match.running:
@@ -122,10 +123,10 @@ class Admission:
         if key is not None:
             self.running_by_key.setdefault(key, set()).add(sequence)
 
-    def _find_prefix(self, prompt_ids: list[int], key: tuple[int, ...]) -> PrefixMatch | None:
+    def _find_prefix(self, prompt_ids: list[int], salt: str, key: PrefixKey) -> PrefixMatch | None:
         holders = self.running_by_key.get(key, ())
         running = [(s.slot, s.token_ids, s.target_cache_length, s) for s in holders]
-        return self.slots.find(prompt_ids, running)
+        return self.slots.find(prompt_ids, salt, running)
 
     @staticmethod
     def ready(sequence: SequenceState) -> bool:
@@ -170,14 +171,15 @@ class Admission:
         with the prefix cache on and `reusable`, later prompts may start from them."""
         if sequence.slot < 0:
             return
-        key = self.slots.key(sequence.request.prompt_ids[:-1])
+        salt = sequence.request.cache_salt
+        key = self.slots.key(sequence.request.prompt_ids[:-1], salt)
         holders = self.running_by_key.get(key, set()) if key is not None else set()
         holders.discard(sequence)
         if key is not None and not holders:
             self.running_by_key.pop(key, None)
         if reusable:
             held = sequence.token_ids[: sequence.target_cache_length]
-            self.slots.give_back(sequence.slot, held, sequence.draft_cache_length)
+            self.slots.give_back(sequence.slot, held, sequence.draft_cache_length, salt)
         else:
             self.slots.give_back_empty(sequence.slot)
         sequence.slot = -1

@@ -11,6 +11,10 @@ prompt starts with at least `min_tokens` of those tokens, token for token, start
 Only the rest of its prompt is prefilled. The reused positions are exactly what a prefill
 would have written, since a cache position depends only on the tokens before it.
 
+A prefix is reused only by a request with the same `cache_salt` as the one that left it: the
+salt is part of the index key, so tenants with their own salts never see each other's hits
+(a hit shortens the time to first token, which would tell that another sent the same text).
+
 Free slots are handed out lowest empty first, then by evicting the least recently used entry:
 a cached prefix never makes a request wait. The index is bounded by the slots themselves (one
 entry per free slot); a prompt is looked up by its first `min_tokens` tokens, so a lookup
@@ -36,13 +40,14 @@ if TYPE_CHECKING:
     from specdec.loop.sequence import SequenceState
 
 DEFAULT_PREFIX_MIN_TOKENS = 64
+PrefixKey = tuple[str, tuple[int, ...]]  # (cache_salt, the first min_tokens tokens)
 
 
 @dataclass
 class CachedPrefix:
     token_ids: np.ndarray  # (target positions,) int64: the tokens the slot's target cache holds
     draft_length: int  # of those, the positions the slot's draft cache holds
-    key: tuple[int, ...]  # its first min_tokens tokens
+    key: PrefixKey  # the salt of the request that left it, and its first min_tokens tokens
     stamp: int  # when it was cached: a larger stamp is more recent
 
 
@@ -86,7 +91,7 @@ class SlotPool:
         # engine's batched attention reads the slot range it spans).
         self.empty = list(range(num_slots))
         self.cached: collections.OrderedDict[int, CachedPrefix] = collections.OrderedDict()
-        self.by_key: dict[tuple[int, ...], set[int]] = {}  # first min_tokens -> cached slots
+        self.by_key: dict[PrefixKey, set[int]] = {}  # salt and first min_tokens -> cached slots
         self.counts = PrefixCounts()
         self._stamps = itertools.count()
 
@@ -94,11 +99,12 @@ class SlotPool:
     def num_free(self) -> int:
         return len(self.empty) + len(self.cached)
 
-    def key(self, token_ids: Sequence[int]) -> tuple[int, ...] | None:
-        """The index key of a prefix: its first min_tokens tokens (None: too short, or off)."""
+    def key(self, token_ids: Sequence[int], salt: str) -> PrefixKey | None:
+        """The index key of a prefix: its salt and first min_tokens tokens (None: too short,
+        or off). With the salt in the key, a lookup never even meets another salt's entries."""
         if self.min_tokens is None or len(token_ids) < self.min_tokens:
             return None
-        return tuple(token_ids[: self.min_tokens])
+        return salt, tuple(token_ids[: self.min_tokens])
 
     # -- handing slots out and taking them back -----------------------------------------
     def take(self) -> int:
@@ -121,9 +127,10 @@ class SlotPool:
         """A running sequence's prefix was reused by a copy."""
         self._count_hit(match)
 
-    def give_back(self, slot: int, token_ids: Sequence[int], draft_length: int) -> None:
-        """A slot whose sequence ended; `token_ids`: the tokens its target cache holds."""
-        key = self.key(token_ids)
+    def give_back(self, slot: int, token_ids: Sequence[int], draft_length: int, salt: str) -> None:
+        """A slot whose sequence ended; `token_ids`: the tokens its target cache holds, `salt`:
+        its request's cache_salt (only requests with the same one may reuse them)."""
+        key = self.key(token_ids, salt)
         if key is None:
             heapq.heappush(self.empty, slot)
             return
@@ -146,20 +153,24 @@ class SlotPool:
     def find(
         self,
         prompt_ids: Sequence[int],
+        salt: str,
         running: Iterable[tuple[int, Sequence[int], int, SequenceState]] = (),
     ) -> PrefixMatch | None:
-        """The longest reusable prefix of a prompt, at least min_tokens long, in a free slot
-        or in `running`: (slot, tokens, valid target positions, sequence) of sequences that
-        may be copied from. The prompt's last token is never reused (it is fed to make the first
-        output token). Ties go to a free slot (no copy), then to the most recently cached."""
+        """The longest reusable prefix of a prompt with cache_salt `salt`, at least min_tokens
+        long, in a free slot or in `running`: (slot, tokens, valid target positions, sequence)
+        of sequences that may be copied from (those of another salt are passed over). The
+        prompt's last token is never reused (it is fed to make the first output token). Ties
+        go to a free slot (no copy), then to the most recently cached."""
         reusable = prompt_ids[:-1]
-        key, min_tokens = self.key(reusable), self.min_tokens
+        key, min_tokens = self.key(reusable, salt), self.min_tokens
         if key is None or min_tokens is None:
             return None
         prompt = np.asarray(reusable, dtype=np.int64)
         best: PrefixMatch | None = None
         best_rank = (0, 0, 0)  # (length, 1 for a free slot, its stamp)
         for slot, tokens, valid, sequence in running:
+            if sequence.request.cache_salt != salt:
+                continue
             length = common_prefix_length(prompt, np.asarray(tokens[:valid], dtype=np.int64))
             if length >= min_tokens and (length, 0, 0) > best_rank:
                 best, best_rank = PrefixMatch(slot, length, 0, sequence), (length, 0, 0)

@@ -163,7 +163,12 @@ class Backend:
 class Generation:
     """One OpenAI request: one gRPC stream to the BLS, and the choices its responses fill."""
 
-    def __init__(self, backend: Backend, body: CompletionRequest | ChatCompletionRequest) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        body: CompletionRequest | ChatCompletionRequest,
+        key_digest: bytes | None = None,  # the caller's API key, as KeyGate matched it
+    ) -> None:
         check_supported(body)
         backend.check_model(body.model)
         chat = isinstance(body, ChatCompletionRequest)
@@ -180,7 +185,8 @@ class Generation:
             for s in range(body.n)
         ]
         self.builder = ResponseBuilder(chat, backend.model_name, body.stream and body.include_usage)
-        params = triton_params(body, self.max_tokens)
+        cache_salt = backend.config.keys.cache_salt(key_digest, body.cache_salt)
+        params = triton_params(body, self.max_tokens, cache_salt)
         inputs, outputs = build_inputs(prompts, **params), requested_outputs(**params)
 
         async def one_request():
@@ -328,6 +334,7 @@ class KeyGate:
     last event sent, a client gone, an exception)."""
 
     OPEN_PATHS = ("/health",)
+    KEY_STATE = "api_key_digest"  # where the app finds the matched key: request.state
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app = app
@@ -344,6 +351,7 @@ class KeyGate:
             message = MISSING_KEY_MESSAGE if presented is None else WRONG_KEY_MESSAGE
             error = ApiError(401, message, code="invalid_api_key")
         elif self.in_flight.take(key):
+            scope.setdefault("state", {})[self.KEY_STATE] = key  # the request's cache salt
             try:
                 await self.app(scope, receive, send)
             finally:
@@ -399,13 +407,18 @@ def create_app(config: ApiConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serve(Generation(backend, body), request)
+        return await serve(Generation(backend, body, _key_digest(request)), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serve(Generation(backend, body), request)
+        return await serve(Generation(backend, body, _key_digest(request)), request)
 
     return app
+
+
+def _key_digest(request: Request) -> bytes | None:
+    """The key KeyGate matched for this request; None on an open API."""
+    return getattr(request.state, KeyGate.KEY_STATE, None)
 
 
 def _model_card(backend: Backend) -> dict:

@@ -9,10 +9,18 @@ Environment:
   empty value counts as unset.
 - MAX_CONCURRENT_PER_KEY: the most requests one key may have in flight (>= 1; unset or 0:
   no limit). Needs a key.
+- OPENAI_CACHE_SALT_SECRET: the secret the keys' cache salts are keyed with (at least 16
+  characters); unset: random at each start.
 
 Keys are kept only as sha256 digests, and a presented key is compared with every one of
 them (hmac.compare_digest, no early exit), so the time a check takes says nothing about
 which key, or which part of one, matched. No message here holds a key.
+
+With keys, each request's cache_salt (the scope of the prefix cache and the suffix store) is
+HMAC-SHA256 under a server secret of its key's digest and the salt its body asked for: one
+key's requests share their caches, no other key's do, and the salt reveals nothing of the key
+nor can be made up by whoever knows one but not the secret (a gRPC caller that reaches
+Triton directly sends whatever salt it likes).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +36,8 @@ from pathlib import Path
 KEYS_VAR = "OPENAI_API_KEYS"
 KEYS_FILE_VAR = "OPENAI_API_KEYS_FILE"
 MAX_CONCURRENT_VAR = "MAX_CONCURRENT_PER_KEY"
+SALT_SECRET_VAR = "OPENAI_CACHE_SALT_SECRET"
+MIN_SALT_SECRET = 16  # characters
 
 # OpenAI's wording (its own ends with where to find a key, which is this server's operator).
 MISSING_KEY_MESSAGE = (
@@ -92,6 +103,20 @@ def max_concurrent_from_env(env: dict[str, str], num_keys: int) -> int | None:
     return int(text)
 
 
+def salt_secret_from_env(env: dict[str, str]) -> bytes:
+    """OPENAI_CACHE_SALT_SECRET, or 32 random bytes when it is unset: a new secret at each
+    start changes every key's salt, which costs only the cache hits of the requests before."""
+    text = env.get(SALT_SECRET_VAR, "")
+    if not text:  # empty: unset, as compose passes ${VAR:-}
+        return secrets.token_bytes(32)
+    if len(text) < MIN_SALT_SECRET:
+        raise SettingError(
+            f"{SALT_SECRET_VAR}: at least {MIN_SALT_SECRET} characters "
+            "(a random one: openssl rand -hex 32)"
+        )
+    return text.encode("utf-8")
+
+
 def bearer_token(authorization: bytes | None) -> bytes | None:
     """The key of an `Authorization: Bearer <key>` header; None when there is none."""
     if authorization is None:
@@ -108,13 +133,15 @@ class ApiKeys:
 
     digests: tuple[bytes, ...] = ()
     max_concurrent: int | None = None  # per key; None: no limit
+    salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ApiKeys:
         env = dict(os.environ if env is None else env)
         keys = keys_from_env(env)
         digests = tuple(dict.fromkeys(_digest(key.encode("utf-8")) for key in keys))
-        return cls(digests, max_concurrent_from_env(env, len(digests)))
+        limit = max_concurrent_from_env(env, len(digests))
+        return cls(digests, limit, salt_secret_from_env(env))
 
     @property
     def required(self) -> bool:
@@ -129,6 +156,18 @@ class ApiKeys:
             if hmac.compare_digest(presented_digest, digest):
                 found = digest
         return found
+
+    def cache_salt(self, digest: bytes | None, requested: str | None) -> str | None:
+        """The cache_salt a request goes to Triton with. With keys: 64 hex digits, HMAC-SHA256
+        of the key's `digest` (fixed length) then the `requested` salt, so a key may split
+        its own caches with salts of its choosing but never lands in another key's. Open:
+        `requested` as given (None: none, the shared salt "")."""
+        if not self.required:
+            return requested
+        if digest is None:  # the gate lets no request through without a configured key
+            raise ValueError("cache_salt: a request without a key on an API that needs one")
+        message = digest + (requested or "").encode("utf-8")
+        return hmac.new(self.salt_secret, message, hashlib.sha256).hexdigest()
 
     def describe(self) -> str:
         """For the start-up log: how many keys and the limit, never a key."""

@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdec.text.request import MAX_CACHE_SALT
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
 
@@ -74,6 +76,8 @@ class _Sampling(_Strict):
     user: str | None = None  # the gateway keeps a user's requests on one replica
     num_draft_tokens: int | None = Field(None, ge=0)  # extension: 0 = no speculation
     stream_interval: int | None = Field(None, ge=1)  # extension: output tokens per chunk
+    # vLLM's: the scope of cache reuse; with API keys, within the key's (auth.ApiKeys.cache_salt)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT)
 
     @property
     def stop_words(self) -> list[str]:
@@ -129,9 +133,12 @@ def max_tokens_field(body: _Sampling) -> str:
     return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
 
-def triton_params(body: _Sampling, max_tokens: int) -> dict[str, int | float | list[str]]:
-    """The BLS's inputs (specdec.client.build_inputs) for one OpenAI request."""
-    params: dict[str, int | float | list[str] | None] = {
+def triton_params(
+    body: _Sampling, max_tokens: int, cache_salt: str | None = None
+) -> dict[str, int | float | str | list[str]]:
+    """The BLS's inputs (specdec.client.build_inputs) for one OpenAI request. `cache_salt`:
+    what the API's keys make of the body's (never the body's own when keys are set)."""
+    params: dict[str, int | float | str | list[str] | None] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
@@ -145,6 +152,7 @@ def triton_params(body: _Sampling, max_tokens: int) -> dict[str, int | float | l
         "frequency_penalty": body.frequency_penalty,
         "num_draft_tokens": body.num_draft_tokens,
         "stream_interval": body.stream_interval,
+        "cache_salt": cache_salt,
     }
     if body.stop_words:
         params["stop_words"] = body.stop_words

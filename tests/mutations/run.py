@@ -30,6 +30,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # The tests that guard the loop, fastest first (-x stops at the first failure).
 UNIT = ("tests/test_verify.py", "tests/test_scheduler.py")
+PREFIX = ("tests/test_prefix_cache.py",)
 REAL = ("tests/test_loop_engines.py",)
 ECONOMICS = ("tests/test_economics.py", "tests/test_calibration.py")
 
@@ -219,6 +220,30 @@ MUTANTS = [
         "super().__init__(config, num_slots, max_length + SPARE_POSITIONS, dtype, self.device)",
         "super().__init__(config, num_slots, max_length + SPARE_POSITIONS + 1, dtype, self.device)",
         tests=("tests/test_memory.py::test_counts_equal_a_real_engines_tensors",),
+    ),
+    Mutant(
+        "prefix-key-unsalted",
+        "a cached prefix is indexed by its tokens alone: another tenant's request adopts it",
+        "specdec/loop/prefix_cache.py",
+        "return salt, tuple(token_ids[: self.min_tokens])",
+        'return "", tuple(token_ids[: self.min_tokens])',
+        tests=PREFIX,
+    ),
+    Mutant(
+        "prefix-running-unsalted",
+        "a lookup copies from a running sequence whatever the salt of its request",
+        "specdec/loop/prefix_cache.py",
+        "            if sequence.request.cache_salt != salt:\n                continue\n",
+        "",
+        tests=PREFIX,
+    ),
+    Mutant(
+        "openai-body-salt-raw",
+        "with API keys, a request's own cache_salt goes to Triton: any tenant may name another's",
+        "specdec/openai_api/app.py",
+        "cache_salt = backend.config.keys.cache_salt(key_digest, body.cache_salt)",
+        "cache_salt = body.cache_salt",
+        tests=("tests/test_openai_auth.py::test_each_key_reaches_triton_with_its_own_cache_salt",),
     ),
 ]
 
