@@ -5,6 +5,7 @@ and the loop's output with it (the fakes' target: tests/fakes.py)."""
 from __future__ import annotations
 
 import random
+import sys
 import tracemalloc
 
 import pytest
@@ -17,7 +18,11 @@ from specdec.loop.proposers.suffix import SHARED_KEY, SuffixProposer
 from specdec.loop.scheduler import SpeculativeScheduler
 from specdec.loop.sequence import SequenceState
 from specdec.loop.suffix_store import SuffixIndex, SuffixStore
+from specdec.paths import PROJECT_ROOT
 from specdec.text.request import GenerationRequest
+
+sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
+from suffix_cost import run as measure_cost  # noqa: E402
 
 
 def indexed(text: list[int], depth: int) -> SuffixIndex:
@@ -200,3 +205,13 @@ def test_the_store_pays_where_answers_repeat_other_requests_text(monkeypatch):
     apart = passes_one_after_another(["a", "b", "c", "d"])
     assert apart == [apart[0]] * 4
     assert shared[0] == apart[0] and all(p < apart[0] for p in shared[1:]), (shared, apart)
+
+
+def test_the_cost_script_times_proposals_and_fed_tokens_at_its_rows():
+    """loadtest/suffix_cost.py on a few rows: the figures it writes are there and sane (its
+    timings are measured, never asserted here)."""
+    report = measure_cost(num_rows=4, num_steps=10, max_k=4)
+    assert report["rows"] == 4 and report["store_tokens"] > 10_000
+    assert 0 < report["store_bytes"] <= 128 << 20
+    for name in ("offer_us_per_row_median", "feed_us_per_token_median"):
+        assert report[name] > 0
