@@ -247,12 +247,24 @@ def accepted_of_drafted(
     return [f"{n} {counted[f'{n}_accepted']:.0f}/{counted[f'{n}_draft_tokens']:.0f}" for n in names]
 
 
+SETTING_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
 def parse_env(text: str) -> dict[str, str]:
-    """A --server-env value, NAME=VALUE,... ("" = none), as a dict."""
-    pairs = [item.split("=", 1) for item in text.split(",") if item]
-    if any(len(pair) != 2 or not pair[0] for pair in pairs):
-        raise ValueError(f"expected NAME=VALUE,... got {text!r}")
-    return dict(pairs)
+    """A --server-env value, NAME=VALUE,... ("" = none), as a dict. A value may hold commas
+    (PROPOSERS=draft_model,ngram,suffix): a piece without "=" continues the value before it,
+    unless it reads as a setting's name (upper case), which lost its value."""
+    env: dict[str, str] = {}
+    name = None
+    for piece in (item for item in text.split(",") if item):
+        if "=" in piece and not piece.startswith("="):
+            name, value = piece.split("=", 1)
+            env[name] = value
+        elif name is not None and "=" not in piece and not SETTING_NAME.fullmatch(piece):
+            env[name] += f",{piece}"
+        else:
+            raise ValueError(f"expected NAME=VALUE,... got {text!r}")
+    return env
 
 
 def percentile(values: list[float], q: float) -> float | None:

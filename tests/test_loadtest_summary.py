@@ -217,7 +217,14 @@ def test_server_env_parses_pairs_and_refuses_a_name_without_a_value():
     assert parse_env("") == {}
     assert parse_env("DTYPE=bfloat16,NUM_SLOTS=4") == {"DTYPE": "bfloat16", "NUM_SLOTS": "4"}
     assert parse_env("PROPOSERS=") == {"PROPOSERS": ""}  # "" is a value: no speculation
-    for bad in ("DTYPE", "=bfloat16", "DTYPE=bfloat16,NUM_SLOTS"):
+    # a list's commas stay in its value
+    assert parse_env("DTYPE=float32,PROPOSERS=draft_model,ngram,suffix,NUM_SLOTS=4") == {
+        "DTYPE": "float32",
+        "PROPOSERS": "draft_model,ngram,suffix",
+        "NUM_SLOTS": "4",
+    }
+    assert parse_env("NGRAM_MATCH_LENGTHS=3,2,1") == {"NGRAM_MATCH_LENGTHS": "3,2,1"}
+    for bad in ("DTYPE", "=bfloat16", "DTYPE=bfloat16,NUM_SLOTS", "ngram,DTYPE=float32"):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             parse_env(bad)
 
