@@ -25,7 +25,8 @@ Message = dict[str, str]  # a chat message: {"role", "content"} (as walks.Messag
 
 # The modes: each name's request inputs. k0-again is k = 0 under a second name (the noise
 # floor); k0-float32 and k0-b are k = 0 on bench's second server (--float32-concurrency,
-# --env-b).
+# --env-b). suffix and adaptive-nosuffix need a server whose PROPOSERS has suffix (the
+# store of earlier answers); one without refuses proposer=suffix.
 MODES: dict[str, dict] = {
     "k0": {"num_draft_tokens": 0},
     "k2": {"num_draft_tokens": 2, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
@@ -34,6 +35,8 @@ MODES: dict[str, dict] = {
     "draft": {"proposer": "draft_model"},
     "ngram": {"proposer": "ngram"},
     "adaptive": {},
+    "suffix": {"proposer": "suffix"},
+    "adaptive-nosuffix": {"proposer": ("draft_model", "ngram")},  # the server's choice of these
     "k0-again": {"num_draft_tokens": 0},
     "k0-float32": {"num_draft_tokens": 0},
     "k0-b": {"num_draft_tokens": 0},
@@ -157,7 +160,8 @@ TIMED_PARTS = (*LOOP_PARTS, "outbox")
 # The engine calls the loop makes, whose count and returned bytes the server counts
 # (specdec_engine_calls_total, specdec_engine_result_bytes_total; absent on older servers).
 ENGINE_CALL_KINDS = ("draft", "target")
-PROPOSER_NAMES = ("draft_model", "ngram")  # specdec_proposer_*_tokens_total's labels
+# specdec_proposer_*_tokens_total's labels (a server without suffix: its counters read 0)
+PROPOSER_NAMES = ("draft_model", "ngram", "suffix")
 
 
 def loop_counters(values: dict[str, float]) -> dict[str, float]:
