@@ -55,7 +55,10 @@ SYSTEM_PROMPTS = {WORKLOADS["shared-prefix"]: LOADTEST / "shared_prefix_system.t
 # The workloads of conversations ({"category", "turns"} lines): a request per user turn, which
 # resends the history with the answers the stream received (walks.ConversationWalk).
 CONVERSATIONS = {"multi-turn": LOADTEST / "conversations_multi_turn.jsonl"}
-WORKLOAD_NAMES = (*WORKLOADS, *CONVERSATIONS)
+# The workloads generated, not read: agentic (loadtest/agentic.py), conversations of tool
+# calls without end, whose walks in different parts never send the same prompt.
+GENERATED = ("agentic",)
+WORKLOAD_NAMES = (*WORKLOADS, *CONVERSATIONS, *GENERATED)
 
 
 def unknown_modes(modes: list[str]) -> list[str]:
@@ -126,6 +129,10 @@ def read_workload(name: str) -> Workload:
     """A workload of WORKLOAD_NAMES, as chat messages (unrendered)."""
     from walks import Workload  # loadtest/ on sys.path: the scripts, the locustfile, tests
 
+    if name == "agentic":
+        import agentic
+
+        return Workload(name, conversations=agentic.TASKS, head=agentic.HEAD, unique=True)
     if name in CONVERSATIONS:
         return Workload(name, conversations=read_conversations(CONVERSATIONS[name]))
     return Workload(name, requests=prompt_messages(WORKLOADS[name]))

@@ -1,23 +1,32 @@
 """The agentic workload (loadtest/agentic.py): tasks are the same in every process and never
 the same as each other, their reference calls are in the one format the system prompt
-teaches, a conversation fits the server's context."""
+teaches, a conversation fits the server's context; and the rule it exists for: no
+prompt is sent twice in a bench run (modes, levels, windows, streams, warm-ups), nor in a
+cold run's bursts, while the other workloads keep sending every mode the same sequence."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 
 import pytest
 
+from specdec.client import GenerationResult
 from specdec.paths import PROJECT_ROOT
 from specdec.serving.settings import MAX_CONTEXT
 from specdec.text.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
 import agentic  # noqa: E402
+import bench  # noqa: E402
+import cold_start  # noqa: E402
+from common import read_workload  # noqa: E402
 
 CONTEXT = int(MAX_CONTEXT.default)  # the bench's servers' (the test servers' is smaller)
 MAX_TOKENS = 128  # bench's answers
@@ -98,3 +107,115 @@ def test_a_conversation_fits_the_context_even_with_answers_of_max_tokens(tokeniz
             longest = max(longest, len(tokenizer.encode(tokenizer.apply_chat_template(messages))))
             messages.append({"role": "assistant", "content": " x" * MAX_TOKENS})
     assert longest + MAX_TOKENS <= CONTEXT, longest
+
+
+def after_head(prompt: str) -> str:
+    """A rendered agentic prompt past its head (which has tool results of its own)."""
+    assert prompt.count(agentic.SYSTEM_PROMPT) == 1
+    return prompt.split(agentic.HEAD[-1]["content"], 1)[1]
+
+
+def scripted_answer(prompt: str) -> str:
+    """A greedy server's stand-in: one prompt, one answer."""
+    return agentic.call_text("lookup_order", order_id=f"Z{sum(map(ord, prompt)) % 10**6:06d}")
+
+
+class FakeClient:
+    """bench's StreamingClient without a server: every prompt recorded, answered at once."""
+
+    sent: list[str] = []
+    lock = threading.Lock()
+
+    def __init__(self, url: str, model: str):
+        pass
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def generate(self, prompt: str, on_chunk=None, **params) -> GenerationResult:
+        with self.lock:
+            self.sent.append(prompt)
+        time.sleep(0.002)  # a request takes time: the streams take turns
+        on_chunk("{")
+        answer = scripted_answer(prompt)
+        metrics = {"num_output_tokens": 8, "num_input_tokens": len(prompt)}
+        return GenerationResult(answer, [answer], [0.001], metrics, elapsed=0.002)
+
+
+def bench_prompts(monkeypatch, workload: str) -> list[str]:
+    """Every prompt a bench run sends (warm-up, lead-ins, counted requests): two modes at
+    1 and 3 streams, each in two windows of 0.15 s per level, on a fake client."""
+    FakeClient.sent = []
+    monkeypatch.setattr(bench, "StreamingClient", FakeClient)
+    monkeypatch.setattr(bench, "generate", lambda prompt, *a, **k: FakeClient.sent.append(prompt))
+    config = bench.BenchConfig(["k0", "adaptive"], [1, 3], level_seconds=0.3)
+    config.workloads = [workload]
+    levels = bench.run_modes(config, "fake:8001", itertools.count())
+    assert [(r.mode, r.concurrency) for r in levels] == [
+        ("k0", 1),
+        ("adaptive", 1),
+        ("k0", 3),
+        ("adaptive", 3),
+    ]
+    return FakeClient.sent
+
+
+def test_no_prompt_is_sent_twice_in_a_bench_run_of_agentic(monkeypatch):
+    sent = bench_prompts(monkeypatch, "agentic")
+    assert len(sent) > 100  # many turns in every window
+    assert len(set(sent)) == len(sent), [p for p, n in Counter(sent).items() if n > 1][:1]
+    turns = [after_head(prompt) for prompt in sent]
+    # conversations go on past their first turn, with the answers received
+    assert sum("Tool result:" in turn for turn in turns) > len(sent) / 3
+    assert any(scripted_answer(p) in q for p, q in itertools.pairwise(sent[:50]))
+
+
+def test_the_other_workloads_still_send_every_mode_the_same_prompts(monkeypatch):
+    """Negative control: multi-turn's modes walk one sequence, so its prompts repeat."""
+    sent = bench_prompts(monkeypatch, "multi-turn")
+    assert len(set(sent)) < len(sent)
+
+
+def test_the_bench_modes_of_agentic_walk_parts_of_their_own(tokenizer):
+    """StreamPrompts with a load's ModeParts: modes part at once, a stream keeps its part
+    across windows; without parts (a negative control) the modes send the same prompts."""
+    workload, render = read_workload("agentic"), tokenizer.apply_chat_template
+    counter = itertools.count(5)
+    loads = [bench.StreamPrompts(workload, 0, 2, render, bench.ModeParts(counter)) for _ in "ab"]
+    assert loads[0].next_prompt("k0") != loads[1].next_prompt("k0")  # stream 0 of two loads
+    shared = bench.ModeParts(counter)
+    a, b = (bench.StreamPrompts(workload, 0, 2, render, shared) for _ in range(2))
+    assert a.next_prompt("k0") == b.next_prompt("k0")  # one load, one mode: one part
+    assert a.next_prompt("adaptive") != b.next_prompt("k0-again")
+    assert shared.parts == {"k0": 7, "adaptive": 8, "k0-again": 9}
+    c, d = (bench.StreamPrompts(workload, 0, 1, render) for _ in range(2))
+    assert c.next_prompt("k0") == d.next_prompt("adaptive")
+
+
+def test_each_cold_burst_of_agentic_sends_tasks_of_its_own(monkeypatch, tmp_path):
+    bursts: list[tuple[str, list[str]]] = []
+
+    def fake_burst(config, workload, round_index, arm, prompts):
+        bursts.append((workload, prompts))
+        phases = config.phases
+        return [
+            cold_start.PhaseResult(
+                workload, round_index, arm, p.name, p.streams, p.num_requests, 0, 64, 64.0,
+                10.0, 1.0, 64.0, 1, 8001, 0.0, [64],
+            )
+            for p in phases
+        ]  # fmt: skip
+
+    monkeypatch.setattr(cold_start, "cold_burst", fake_burst)
+    config = cold_start.ColdConfig(["agentic", "chat"], name="t", out_dir=tmp_path, rounds=2)
+    cold_start.run(config)
+    agentic_prompts = [p for name, prompts in bursts if name == "agentic" for p in prompts]
+    assert len(agentic_prompts) == 6 * 36  # 2 rounds x 3 arms, 4 + 32 requests each
+    assert len(set(agentic_prompts)) == len(agentic_prompts)
+    turns = [after_head(p) for p in agentic_prompts]
+    assert all("Ticket " in turn and "Tool result" not in turn for turn in turns)
+    chat = [prompts for name, prompts in bursts if name == "chat"]
+    assert len(chat) == 6 and all(prompts == chat[0] for prompts in chat)  # as before
