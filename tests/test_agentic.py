@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -219,3 +220,28 @@ def test_each_cold_burst_of_agentic_sends_tasks_of_its_own(monkeypatch, tmp_path
     assert all("Ticket " in turn and "Tool result" not in turn for turn in turns)
     chat = [prompts for name, prompts in bursts if name == "chat"]
     assert len(chat) == 6 and all(prompts == chat[0] for prompts in chat)  # as before
+
+
+def make_commands(target: str) -> list[list[str]]:
+    """The bench.py arguments of each command `make -n target` prints."""
+    printed = subprocess.run(
+        ["make", "-n", target], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True
+    ).stdout.replace("\\\n", " ")
+    words = [shlex.split(line) for line in printed.splitlines() if "loadtest/bench.py" in line]
+    return [line[line.index("loadtest/bench.py") + 1 :] for line in words]
+
+
+def test_make_bench_agentic_runs_both_workloads_with_the_suffix_modes_in_two_precisions():
+    configs = [bench.parse_args(argv) for argv in make_commands("bench-agentic")]
+    assert [c.name for c in configs] == ["bench-agentic-float32", "bench-agentic-bfloat16"]
+    for config, dtype in zip(configs, ("float32", "bfloat16"), strict=True):
+        assert config.workloads == ["agentic", "multi-turn"] and config.concurrency == [1, 16]
+        assert config.modes == ["k0", "adaptive", "adaptive-nosuffix", "suffix", "k0-again"]
+        assert config.server_env == {"DTYPE": dtype, "PROPOSERS": "draft_model,ngram,suffix"}
+    parser = bench.build_parser()
+    for argv in make_commands("bench-agentic-cold"):
+        cold = bench.cold_config(parser, parser.parse_args(argv))
+        assert cold.workloads == ["agentic"] and "suffix" in cold.server_env["PROPOSERS"]
+    assert all("agentic" in bench.parse_args(a).workloads for a in make_commands("bench"))
+    for argv in make_commands("bench-cold"):
+        assert "agentic" in bench.cold_config(parser, parser.parse_args(argv)).workloads
