@@ -20,7 +20,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-draft bench-overhead loadtest soak clean
+.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-draft bench-overhead loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -95,14 +95,14 @@ draft: models
 	$(PY) -m build.train_draft --target $(TARGET)
 	$(PY) -m build.prepare_models --models-dir $(MODELS)
 
-# By workload (chat, grounded, rewrite) at 1, 4, 16 and 64 concurrent streams, twice: on a
-# float32 server of its own, then on a bfloat16 one (a CPU without bfloat16 instructions
-# serves float32: both are measured). On each, k = 0, each proposer alone, adaptive, and
-# k = 0 again (the run's noise floor), in interleaved windows; after the bfloat16 run, k = 0
-# at 32 streams against a float32 server of its own. Writes
-# results/bench-{float32,bfloat16}.{json,csv,png} (three workloads in two precisions: about
-# three times the 50 minutes that one precision of chat and grounded took on 2 cores).
-BENCH_WORKLOADS ?= chat,grounded,rewrite
+# By workload (chat, grounded, rewrite, agentic) at 1, 4, 16 and 64 concurrent streams,
+# twice: on a float32 server of its own, then on a bfloat16 one (a CPU without bfloat16
+# instructions serves float32: both are measured). On each, k = 0, each proposer alone,
+# adaptive, and k = 0 again (the run's noise floor), in interleaved windows; after the
+# bfloat16 run, k = 0 at 32 streams against a float32 server of its own. Writes
+# results/bench-{float32,bfloat16}.{json,csv,png} (four workloads in two precisions: about
+# four times the 50 minutes that one precision of chat and grounded took on 2 cores).
+BENCH_WORKLOADS ?= chat,grounded,rewrite,agentic
 BENCH_ARGS = --workloads $(BENCH_WORKLOADS) --modes k0,draft,ngram,adaptive,k0-again \
 	--concurrency 1,4,16,64 --level-seconds 30
 bench: models
@@ -128,12 +128,38 @@ bench-prefix: models
 # again each on a server started for it alone, 4 requests at 1 stream then 32 at 16 streams,
 # 64 tokens each; adaptive / k0, k0-again / k0 and adaptive over both k = 0 servers by phase,
 # in float32 and in bfloat16.
+# agentic's bursts each send tasks of their own; the others' send every arm the same prompts.
 # Writes results/bench-{float32,bfloat16}-cold.{json,csv}, beside the warm runs of make bench.
 COLD_ROUNDS ?= 2
 COLD_ARGS = --cold-start --workloads $(BENCH_WORKLOADS) --cold-rounds $(COLD_ROUNDS)
 bench-cold: models
 	$(PY) loadtest/bench.py --name bench-float32 $(COLD_ARGS) --server-env DTYPE=float32
 	$(PY) loadtest/bench.py --name bench-bfloat16 $(COLD_ARGS) --server-env DTYPE=bfloat16
+
+# The suffix proposer (a store of earlier answers) on the agent loop: agentic (tool calls in
+# one JSON format, no prompt sent twice in the run) and multi-turn, at 1 and 16 streams; k = 0,
+# adaptive with and without suffix, suffix alone and k = 0 again, in interleaved windows, on a
+# float32 server of its own, then on a bfloat16 one, both with PROPOSERS=draft_model,ngram,suffix.
+# Writes results/bench-agentic-{float32,bfloat16}.{json,csv,png} (about 40 minutes on an idle
+# 2-core host: 2 workloads x 2 levels x 5 modes x 30 s, twice, and the windows' drains).
+AGENTIC_PROPOSERS := PROPOSERS=draft_model,ngram,suffix
+AGENTIC_ARGS = --workloads agentic,multi-turn --concurrency 1,16 --level-seconds 30 \
+	--modes k0,adaptive,adaptive-nosuffix,suffix,k0-again
+bench-agentic: models
+	$(PY) loadtest/bench.py --name bench-agentic-float32 $(AGENTIC_ARGS) \
+		--server-env DTYPE=float32,$(AGENTIC_PROPOSERS)
+	$(PY) loadtest/bench.py --name bench-agentic-bfloat16 $(AGENTIC_ARGS) \
+		--server-env DTYPE=bfloat16,$(AGENTIC_PROPOSERS)
+
+# make bench-cold on agentic alone: per round, k = 0, adaptive and k = 0 again each on a
+# fresh server, every burst tasks of its own, in float32 and bfloat16, with the suffix proposer
+# among PROPOSERS. Writes results/bench-agentic-{float32,bfloat16}-cold.{json,csv} (about
+# 15 minutes: 12 servers, each started for one burst).
+bench-agentic-cold: models
+	$(PY) loadtest/bench.py --name bench-agentic-float32 --cold-start --workloads agentic \
+		--cold-rounds $(COLD_ROUNDS) --server-env DTYPE=float32,$(AGENTIC_PROPOSERS)
+	$(PY) loadtest/bench.py --name bench-agentic-bfloat16 --cold-start --workloads agentic \
+		--cold-rounds $(COLD_ROUNDS) --server-env DTYPE=bfloat16,$(AGENTIC_PROPOSERS)
 
 # The draft at concurrency 1: served speculation against k = 0 and transformers.
 bench-draft: models

@@ -8,9 +8,13 @@ answers that copy or rework text given in the prompt) and `rewrite`
 restyled, restructured, summarised, retold or shortened), and for the server's prefix reuse
 `shared-prefix` (one system text of about 1,000 tokens, then a short question) and
 `multi-turn` (conversations of four user turns; each request resends the history with the
-answers this stream got in this mode: see StaggeredLoad). Modes: k0 (no speculation), draft and
-ngram (one proposer alone, k chosen by the server), adaptive (the server's choice of
-proposer and k per row), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
+answers this stream got in this mode: see StaggeredLoad), and `agentic` (loadtest/agentic.py:
+an agent's tool calls in one JSON format, conversations of two or three turns, generated
+without end; each mode, level and warm-up walks tasks of its own, so that no prompt is sent
+twice in a run). Modes: k0 (no speculation), draft, ngram and suffix (one proposer alone, k
+chosen by the server; suffix needs a server with PROPOSERS=...,suffix), adaptive (the
+server's choice of proposer and k per row), adaptive-nosuffix (the same among draft_model
+and ngram), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
 Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy) and `-si<N>` (the
 request's stream_interval: a response each time N output tokens have gathered), in that
 order, e.g. `k4-sampled-si16`; each is compared with k0 of the same suffixes where the run
@@ -50,7 +54,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -208,10 +212,30 @@ class MeasuredWindow:
     counters: dict[str, float] = field(default_factory=dict)  # server_counters' deltas
 
 
+class ModeParts:
+    """Which part of a unique workload's tasks (walks.PART_SIZE) each mode of one load
+    walks: a fresh one from the run's counter the first time a mode asks, so that no prompt
+    is sent twice in a run (a store of earlier answers, fed by one mode, would hand the next
+    mode the answers to its own prompts). The counter is the run's: every load and warm-up
+    draws from it. Thread-safe: a window's streams ask at once."""
+
+    def __init__(self, counter: Iterator[int]):
+        self.counter = counter
+        self.parts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, mode: str) -> int:
+        with self.lock:
+            if mode not in self.parts:
+                self.parts[mode] = next(self.counter)
+            return self.parts[mode]
+
+
 class StreamPrompts:
     """One stream's prompts: a walk of the workload per mode, each from its start, so that
     every mode sends the same sequence however the windows cut it (a multi-turn walk keeps
-    the answers its own mode got)."""
+    the answers its own mode got); a unique workload's (agentic) walk takes its mode's own
+    part of the tasks (`part_of`), so that no two modes send the same prompt."""
 
     def __init__(
         self,
@@ -219,14 +243,16 @@ class StreamPrompts:
         index: int,
         concurrency: int,
         render: Callable[[list[Message]], str],
+        part_of: Callable[[str], int] = lambda mode: 0,
     ):
-        self.workload, self.render = workload, render
+        self.workload, self.render, self.part_of = workload, render, part_of
         self.index, self.concurrency = index, concurrency
         self.walks: dict[str, Walk] = {}  # mode -> its walk
 
     def next_prompt(self, mode: str) -> str:
         if mode not in self.walks:
-            self.walks[mode] = self.workload.stream_walk(self.index, self.concurrency)
+            part = self.part_of(mode)
+            self.walks[mode] = self.workload.stream_walk(self.index, self.concurrency, part)
         return self.render(self.walks[mode].next_request())
 
     def answered(self, mode: str, answer: str | None) -> None:
@@ -252,7 +278,8 @@ class StaggeredLoad:
     mode's conversation, and the answers its requests got in that mode, across that mode's
     windows; a window's end does not end a conversation, the mode's next window goes on
     with its next turn. A lead-in request is a turn like the others (its answer, shorter,
-    is kept)."""
+    is kept). On a unique workload (agentic) each mode walks a part of the tasks drawn from
+    `parts`, the run's counter (ModeParts)."""
 
     def __init__(
         self,
@@ -262,10 +289,13 @@ class StaggeredLoad:
         config: BenchConfig,
         metrics_url: str | None = None,
         render: Callable[[list[Message]], str] | None = None,  # default: the chat template
+        *,
+        parts: Iterator[int],
     ):
         self.url, self.concurrency, self.workload, self.config = url, concurrency, workload, config
         self.metrics_url = metrics_url
         self.render = render or chat_template()
+        self.part_of = ModeParts(parts)
         self.requests: list[Request] = []  # lead-ins left out
         self.windows: list[MeasuredWindow] = []
         self.mode: str | None = None  # None: between windows, no request leaves
@@ -290,8 +320,8 @@ class StaggeredLoad:
         # i + 2c, ...; multi-turn: conversations i, i + c, ..., turn by turn), so that the modes
         # are compared on the same prompts: a window holds few requests, and prompts differ a
         # lot (what a shared count did: docs/benchmarks-archive.md, "The modes did not see the same
-        # prompts").
-        prompts = StreamPrompts(self.workload, index, self.concurrency, self.render)
+        # prompts"). Not on a unique workload (agentic), where each mode has tasks of its own.
+        prompts = StreamPrompts(self.workload, index, self.concurrency, self.render, self.part_of)
         with StreamingClient(self.url, self.config.model) as client:
             window_seen = -1
             while True:
@@ -610,26 +640,35 @@ def run_level(
     return results
 
 
-def run_modes(config: BenchConfig, url: str) -> list[LevelResult]:
-    """The modes at every level of every workload, on the first server."""
+def run_modes(config: BenchConfig, url: str, parts: Iterator[int]) -> list[LevelResult]:
+    """The modes at every level of every workload, on the first server. `parts`: the run's
+    counter of a unique workload's parts (ModeParts)."""
     levels: list[LevelResult] = []
     render = chat_template()
     for name in config.workloads:
         workload = read_workload(name)
-        generate(render(workload.first_request()), url, config.model, max_tokens=8)  # warm-up
+        warm_up = render(workload.first_request(next(parts)))
+        generate(warm_up, url, config.model, max_tokens=8)
         for i, concurrency in enumerate(config.concurrency):
-            load = StaggeredLoad(url, concurrency, workload, config, config.metrics_url, render)
+            load = StaggeredLoad(
+                url, concurrency, workload, config, config.metrics_url, render, parts=parts
+            )
             loads = {mode: load for mode in config.modes}
             levels += run_level(name, concurrency, config.modes, i, loads, config)
     return levels
 
 
 def run_second(
-    config: BenchConfig, second: SecondServer, url: str, url_b: str, metrics_url_b: str | None
+    config: BenchConfig,
+    second: SecondServer,
+    url: str,
+    url_b: str,
+    metrics_url_b: str | None,
+    parts: Iterator[int],
 ) -> list[LevelResult]:
     """k = 0 on the first server against k = 0 on the second: on the first workload, or with
     `second.each_workload` on each (and k0-again on the first server: each one's noise
-    floor)."""
+    floor). `parts`: the run's counter, as run_modes'."""
     render = chat_template()
     names = config.workloads if second.each_workload else config.workloads[:1]
     c = second.concurrency
@@ -637,11 +676,14 @@ def run_second(
     for i, name in enumerate(names):
         workload = read_workload(name)
         for warm in (url, url_b):
-            generate(render(workload.first_request()), warm, config.model, max_tokens=8)
-        load = StaggeredLoad(url, c, workload, config, config.metrics_url, render)
+            warm_up = render(workload.first_request(next(parts)))
+            generate(warm_up, warm, config.model, max_tokens=8)
+        load = StaggeredLoad(url, c, workload, config, config.metrics_url, render, parts=parts)
         loads = {
             "k0": load,
-            second.mode: StaggeredLoad(url_b, c, workload, config, metrics_url_b, render),
+            second.mode: StaggeredLoad(
+                url_b, c, workload, config, metrics_url_b, render, parts=parts
+            ),
         }
         if second.each_workload:
             loads["k0-again"] = load
@@ -675,9 +717,10 @@ def run(config: BenchConfig) -> list[LevelResult]:
         config.metrics_url = servers[0].metrics_url
     url = config.url or servers[0].url
     levels: list[LevelResult] = []
+    parts = itertools.count()  # a unique workload's parts: one per mode, load and warm-up
     try:
         if config.modes and config.concurrency:
-            levels += run_modes(config, url)
+            levels += run_modes(config, url, parts)
         if second is not None:
             url_b, metrics_url_b = second.url, second.metrics_url
             if url_b is None:
@@ -685,7 +728,7 @@ def run(config: BenchConfig) -> list[LevelResult]:
                 own = ManagedServer(f"bench-{config.name}-{second.mode}", env)
                 servers.append(own)
                 url_b, metrics_url_b = own.url, own.metrics_url
-            levels += run_second(config, second, url, url_b, metrics_url_b)
+            levels += run_second(config, second, url, url_b, metrics_url_b, parts)
     finally:
         for server in servers:
             server.stop()

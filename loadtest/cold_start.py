@@ -10,7 +10,9 @@ alike. Once the server is
 ready it gets one burst and is stopped: phase "1 stream", 4 requests one after another;
 then phase "16 streams", 32 requests that 16 concurrent streams take from a shared queue;
 greedy, streamed, 64 output tokens each, the arm's mode inputs (common.mode_inputs). Every
-arm's burst sends the same prompts: the workload's 0-3, then 4-35 (wrapping around).
+arm's burst sends the same prompts: the workload's 0-3, then 4-35 (wrapping around); but
+on `agentic` each burst sends the first turns (system prompt and request) of 36 tasks that
+no other burst of the run sends (burst_prompts).
 
 Per phase: the output tokens the responses carried (and the server's counter beside them),
 the seconds from the first request sent to the last final response, tokens/s, and what the
@@ -25,31 +27,37 @@ restart meets (issue 30).
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import queue
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common import (
+    GENERATED,
     PROPOSER_NAMES,
     WORKLOADS,
     accepted_of_drafted,
+    chat_template,
     counter_deltas,
-    load_prompts,
     mode_inputs,
+    read_workload,
     unknown_variants,
 )
 from specdec.client import GenerationResult, StreamingClient, scrape_metrics
 from specdec.paths import PROJECT_ROOT
+from walks import Message, Workload
 
 BASELINE = "k0"  # what every other arm is divided by
 AGAIN = "k0-again"  # k = 0 on a server of its own again: the noise floor
 ARMS = (BASELINE, "adaptive", AGAIN)
 PAIR = f"both {BASELINE}"  # k0 and k0-again together (ratio_rows)
+COLD_WORKLOADS = (*WORKLOADS, *GENERATED)  # a request per prompt (agentic: a task's first)
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,8 @@ class ColdConfig:
     phases: tuple[Phase, ...] = PHASES
 
     def validate(self) -> None:
-        if [w for w in self.workloads if w not in WORKLOADS]:
-            raise ValueError(f"--workloads: of {', '.join(WORKLOADS)}")
+        if [w for w in self.workloads if w not in COLD_WORKLOADS]:
+            raise ValueError(f"--workloads: of {', '.join(COLD_WORKLOADS)}")
         if BASELINE not in self.arms:
             raise ValueError(f"the arms need {BASELINE}, which the others are divided by")
         if unknown_variants(list(self.arms)):
@@ -124,6 +132,18 @@ def burst_plan(num_prompts: int, phases: tuple[Phase, ...] = PHASES) -> list[lis
         plan.append([(start + i) % num_prompts for i in range(phase.num_requests)])
         start += phase.num_requests
     return plan
+
+
+def burst_prompts(
+    workload: Workload, part: int, count: int, render: Callable[[list[Message]], str]
+) -> list[str]:
+    """A burst's prompts: the workload's, or for a unique workload (agentic) the first
+    turns of `count` tasks of `part`, which the run gives no other burst (a fresh server
+    meets prompts it has never seen, nor has any other arm's)."""
+    if not workload.unique:
+        return [render(messages) for messages in workload.requests]
+    first = workload.start(part)
+    return [render(workload.opening(first + i)) for i in range(count)]
 
 
 def arm_order(arms: tuple[str, ...], index: int) -> list[str]:
@@ -300,11 +320,15 @@ def run(config: ColdConfig) -> list[dict]:
     and prints the ratio table. Returns the ratio rows."""
     config.validate()
     results: list[PhaseResult] = []
-    for w, workload in enumerate(config.workloads):
-        prompts = load_prompts(WORKLOADS[workload])
+    render = chat_template()
+    parts: Iterator[int] = itertools.count()  # a unique workload's: one per burst
+    size = sum(phase.num_requests for phase in config.phases)
+    for w, name in enumerate(config.workloads):
+        workload = read_workload(name)
         for n in range(config.rounds):
             for arm in arm_order(config.arms, w + n):
-                results += cold_burst(config, workload, n, arm, prompts)
+                prompts = burst_prompts(workload, next(parts), size, render)
+                results += cold_burst(config, name, n, arm, prompts)
     rows = ratio_rows(results, config.arms)
     meta = {
         "max_tokens": config.max_tokens,

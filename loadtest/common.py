@@ -25,7 +25,8 @@ Message = dict[str, str]  # a chat message: {"role", "content"} (as walks.Messag
 
 # The modes: each name's request inputs. k0-again is k = 0 under a second name (the noise
 # floor); k0-float32 and k0-b are k = 0 on bench's second server (--float32-concurrency,
-# --env-b).
+# --env-b). suffix and adaptive-nosuffix need a server whose PROPOSERS has suffix (the
+# store of earlier answers); one without refuses proposer=suffix.
 MODES: dict[str, dict] = {
     "k0": {"num_draft_tokens": 0},
     "k2": {"num_draft_tokens": 2, "fixed_num_draft_tokens": True, "proposer": "draft_model"},
@@ -34,6 +35,8 @@ MODES: dict[str, dict] = {
     "draft": {"proposer": "draft_model"},
     "ngram": {"proposer": "ngram"},
     "adaptive": {},
+    "suffix": {"proposer": "suffix"},
+    "adaptive-nosuffix": {"proposer": ("draft_model", "ngram")},  # the server's choice of these
     "k0-again": {"num_draft_tokens": 0},
     "k0-float32": {"num_draft_tokens": 0},
     "k0-b": {"num_draft_tokens": 0},
@@ -52,7 +55,10 @@ SYSTEM_PROMPTS = {WORKLOADS["shared-prefix"]: LOADTEST / "shared_prefix_system.t
 # The workloads of conversations ({"category", "turns"} lines): a request per user turn, which
 # resends the history with the answers the stream received (walks.ConversationWalk).
 CONVERSATIONS = {"multi-turn": LOADTEST / "conversations_multi_turn.jsonl"}
-WORKLOAD_NAMES = (*WORKLOADS, *CONVERSATIONS)
+# The workloads generated, not read: agentic (loadtest/agentic.py), conversations of tool
+# calls without end, whose walks in different parts never send the same prompt.
+GENERATED = ("agentic",)
+WORKLOAD_NAMES = (*WORKLOADS, *CONVERSATIONS, *GENERATED)
 
 
 def unknown_modes(modes: list[str]) -> list[str]:
@@ -123,6 +129,10 @@ def read_workload(name: str) -> Workload:
     """A workload of WORKLOAD_NAMES, as chat messages (unrendered)."""
     from walks import Workload  # loadtest/ on sys.path: the scripts, the locustfile, tests
 
+    if name == "agentic":
+        import agentic
+
+        return Workload(name, conversations=agentic.TASKS, head=agentic.HEAD, unique=True)
     if name in CONVERSATIONS:
         return Workload(name, conversations=read_conversations(CONVERSATIONS[name]))
     return Workload(name, requests=prompt_messages(WORKLOADS[name]))
@@ -157,7 +167,8 @@ TIMED_PARTS = (*LOOP_PARTS, "outbox")
 # The engine calls the loop makes, whose count and returned bytes the server counts
 # (specdec_engine_calls_total, specdec_engine_result_bytes_total; absent on older servers).
 ENGINE_CALL_KINDS = ("draft", "target")
-PROPOSER_NAMES = ("draft_model", "ngram")  # specdec_proposer_*_tokens_total's labels
+# specdec_proposer_*_tokens_total's labels (a server without suffix: its counters read 0)
+PROPOSER_NAMES = ("draft_model", "ngram", "suffix")
 
 
 def loop_counters(values: dict[str, float]) -> dict[str, float]:
@@ -247,12 +258,24 @@ def accepted_of_drafted(
     return [f"{n} {counted[f'{n}_accepted']:.0f}/{counted[f'{n}_draft_tokens']:.0f}" for n in names]
 
 
+SETTING_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
 def parse_env(text: str) -> dict[str, str]:
-    """A --server-env value, NAME=VALUE,... ("" = none), as a dict."""
-    pairs = [item.split("=", 1) for item in text.split(",") if item]
-    if any(len(pair) != 2 or not pair[0] for pair in pairs):
-        raise ValueError(f"expected NAME=VALUE,... got {text!r}")
-    return dict(pairs)
+    """A --server-env value, NAME=VALUE,... ("" = none), as a dict. A value may hold commas
+    (PROPOSERS=draft_model,ngram,suffix): a piece without "=" continues the value before it,
+    unless it reads as a setting's name (upper case), which lost its value."""
+    env: dict[str, str] = {}
+    name = None
+    for piece in (item for item in text.split(",") if item):
+        if "=" in piece and not piece.startswith("="):
+            name, value = piece.split("=", 1)
+            env[name] = value
+        elif name is not None and "=" not in piece and not SETTING_NAME.fullmatch(piece):
+            env[name] += f",{piece}"
+        else:
+            raise ValueError(f"expected NAME=VALUE,... got {text!r}")
+    return env
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -14,9 +14,12 @@ FastHttpUser. Users send the prompts of a workload (common.WORKLOAD_NAMES) one a
 each picked at random: `--workload chat` (the default, loadtest/prompts.jsonl), `grounded`
 (answers that copy or rework text given in the prompt), `rewrite` (answers that rework it
 rather than copy it), `shared-prefix` (one system text of about 1,000 tokens, then a
-question about it) or `multi-turn` (a conversation of four user turns: each request resends
+question about it), `multi-turn` (a conversation of four user turns: each request resends
 the history with the answers this user received; a user keeps its conversation across its
-tasks and, after the last turn or a failed request, opens another at random).
+tasks and, after the last turn or a failed request, opens another at random) or `agentic`
+(loadtest/agentic.py: tool calls in a JSON format, conversations as multi-turn's; a user
+opens task i for a random 63-bit i, so that no two conversations of a run are the same: with
+a million conversations the odds of any repeat are about 1 in 20 million).
 Per request they report, as Locust entries:
 - `generate`: whole-request latency, response length = output tokens (a failure if the
   server answered with an error);

@@ -14,17 +14,25 @@ whole history with the answers this stream received:
 Rendered with the model's chat template, request t + 1 starts with request t's prompt and
 its answer, text for text: the server can reuse that sequence's cache (its prefix cache).
 No server, no tokenizer here: bench.py and the locustfile render the messages their way.
+
+A unique workload (agentic: tasks without end, loadtest/agentic.py) is cut into parts of
+PART_SIZE tasks; a walk given a part takes its tasks from that part alone, so walks given
+different parts never send the same prompt. The other workloads ignore the part: every
+walk of stream i of c sends the same sequence.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
+# A unique workload's tasks per part: more than any walk takes (stream i of c takes tasks
+# i, i + c, i + 2c, ... of its part), so no walk runs into the next part.
+PART_SIZE = 2**32
 
 
 class Walk(Protocol):
@@ -65,17 +73,20 @@ class ListWalk:
 class ConversationWalk:
     """Conversations in `order`, each turn by turn: a request is the history so far (the
     earlier user turns and the answers to them) and the next user turn. After the last turn,
-    or a failed request (no answer to keep), the next request opens the next conversation."""
+    or a failed request (no answer to keep), the next request opens the next conversation,
+    after `head` (a system message, worked examples) where there is one."""
 
-    conversations: list[list[str]]  # each: its user turns
+    conversations: Sequence[list[str]]  # each: its user turns
     order: Iterator[int]
+    head: list[Message] = field(default_factory=list)  # what every conversation opens with
     history: list[Message] = field(default_factory=list)  # the conversation's so far
     turns: list[str] = field(default_factory=list)  # the user turns still to come
     sent: list[Message] | None = None  # the request awaiting its answer
 
     def next_request(self) -> list[Message]:
         if not self.turns:
-            self.history, self.turns = [], list(self.conversations[next(self.order)])
+            self.history = list(self.head)
+            self.turns = list(self.conversations[next(self.order)])
         self.sent = [*self.history, {"role": "user", "content": self.turns.pop(0)}]
         return self.sent
 
@@ -95,20 +106,34 @@ class Workload:
 
     name: str
     requests: list[list[Message]] = field(default_factory=list)  # list workloads
-    conversations: list[list[str]] = field(default_factory=list)  # multi-turn
+    conversations: Sequence[list[str]] = field(default_factory=list)  # multi-turn, agentic
+    head: list[Message] = field(default_factory=list)  # the conversations' opening messages
+    # True: walks given different parts take different tasks (agentic: no prompt is sent
+    # twice in a run); False: the part changes nothing.
+    unique: bool = False
 
     def walk(self, order: Callable[[int], Iterator[int]]) -> Walk:
         """A fresh walk; `order(count)` gives the indices it takes."""
         if self.conversations:
-            return ConversationWalk(self.conversations, order(len(self.conversations)))
+            count = len(self.conversations)
+            return ConversationWalk(self.conversations, order(count), self.head)
         return ListWalk(self.requests, order(len(self.requests)))
 
-    def stream_walk(self, index: int, concurrency: int) -> Walk:
-        """Stream `index` of `concurrency`'s walk: items index, index + concurrency, ..."""
-        return self.walk(lambda count: strided(index, concurrency, count))
+    def start(self, part: int) -> int:
+        """The first index of `part`: 0 unless the workload is unique."""
+        return part * PART_SIZE if self.unique else 0
 
-    def first_request(self) -> list[Message]:
-        return self.stream_walk(0, 1).next_request()
+    def stream_walk(self, index: int, concurrency: int, part: int = 0) -> Walk:
+        """Stream `index` of `concurrency`'s walk: items index, index + concurrency, ... (of
+        `part`, for a unique workload)."""
+        return self.walk(lambda count: strided(self.start(part) + index, concurrency, count))
+
+    def opening(self, index: int) -> list[Message]:
+        """The first request of item `index` (a conversation's first turn)."""
+        return self.walk(lambda count: iter([index])).next_request()
+
+    def first_request(self, part: int = 0) -> list[Message]:
+        return self.opening(self.start(part))
 
 
 def raw_text(messages: list[Message]) -> str:

@@ -113,7 +113,7 @@ def test_a_run_gives_each_arm_its_burst_in_mirrored_order_and_writes_the_table(
         return [result(workload, round_index, arm, p.name, rate) for p in config.phases]
 
     monkeypatch.setattr(cold_start, "cold_burst", fake_burst)
-    monkeypatch.setattr(cold_start, "load_prompts", lambda path: ["a", "b"])
+    monkeypatch.setattr(cold_start, "chat_template", lambda: lambda messages: "a")
     config = ColdConfig(["chat", "grounded"], name="t", out_dir=tmp_path, rounds=2)
     cold_start.run(config)
     assert calls == [

@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
+from specdec.client import build_inputs
 from specdec.paths import PROJECT_ROOT
 
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
 from bench import parse_args, window_schedule  # noqa: E402
-from common import MODES, parse_env  # noqa: E402
+from common import MODES, mode_inputs, parse_env  # noqa: E402
 from run_loadtest import DEFAULT_MODES, add_ratios, noise_floor, table  # noqa: E402
 from schedule import (  # noqa: E402
     build_plan,
@@ -217,7 +218,14 @@ def test_server_env_parses_pairs_and_refuses_a_name_without_a_value():
     assert parse_env("") == {}
     assert parse_env("DTYPE=bfloat16,NUM_SLOTS=4") == {"DTYPE": "bfloat16", "NUM_SLOTS": "4"}
     assert parse_env("PROPOSERS=") == {"PROPOSERS": ""}  # "" is a value: no speculation
-    for bad in ("DTYPE", "=bfloat16", "DTYPE=bfloat16,NUM_SLOTS"):
+    # a list's commas stay in its value
+    assert parse_env("DTYPE=float32,PROPOSERS=draft_model,ngram,suffix,NUM_SLOTS=4") == {
+        "DTYPE": "float32",
+        "PROPOSERS": "draft_model,ngram,suffix",
+        "NUM_SLOTS": "4",
+    }
+    assert parse_env("NGRAM_MATCH_LENGTHS=3,2,1") == {"NGRAM_MATCH_LENGTHS": "3,2,1"}
+    for bad in ("DTYPE", "=bfloat16", "DTYPE=bfloat16,NUM_SLOTS", "ngram,DTYPE=float32"):
         with pytest.raises(ValueError, match="NAME=VALUE"):
             parse_env(bad)
 
@@ -258,3 +266,16 @@ def test_bench_arguments_name_one_second_server_or_none():
 
 def test_loadtest_default_modes_are_modes():
     assert set(DEFAULT_MODES) <= set(MODES) and "k0-again" in DEFAULT_MODES
+
+
+def test_the_suffix_modes_name_their_proposers_as_the_server_reads_them():
+    """adaptive-nosuffix sends both names in one BYTES tensor [1, 2] (the server's
+    `proposer` input is [-1]); suffix sends one."""
+    for mode, names in (("adaptive-nosuffix", [b"draft_model", b"ngram"]), ("suffix", [b"suffix"])):
+        tensors = {t.name(): t for t in build_inputs("prompt", **mode_inputs(mode))}
+        assert tensors["proposer"].shape() == [1, len(names)]
+        assert tensors["proposer"].datatype() == "BYTES"
+        raw = tensors["proposer"]._raw_content  # each name after its 4-byte length
+        assert raw == b"".join(len(n).to_bytes(4, "little") + n for n in names)
+        assert "num_draft_tokens" not in tensors  # the server chooses k
+    assert "proposer" not in {t.name() for t in build_inputs("p", **mode_inputs("adaptive"))}

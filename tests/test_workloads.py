@@ -1,8 +1,9 @@
 """The load tools' workloads (loadtest/common.WORKLOADS): every prompt file parses and is big
 enough, the rewrite set is what docs/benchmarks.md says it is and fits the model's context,
 no prompt is in two workloads, and the locustfile's --workload sends the workload named
-(multi-turn's conversations too; the prefix workloads' own checks:
-tests/test_prefix_workloads.py)."""
+(multi-turn's conversations too, and agentic's tasks, a different one to each user; the
+prefix workloads' own checks: tests/test_prefix_workloads.py, agentic's:
+tests/test_agentic.py)."""
 
 from __future__ import annotations
 
@@ -86,10 +87,14 @@ locustfile.add_arguments(parser)
 chosen = {}
 for argv in ([], *(["--workload", name] for name in sorted(locustfile.WORKLOAD_NAMES))):
     options = parser.parse_args(argv)
-    user = types.SimpleNamespace(environment=types.SimpleNamespace(parsed_options=options))
-    locustfile.StreamingUser.setup(user)
-    walk = user.walk
+    users = [types.SimpleNamespace(environment=types.SimpleNamespace(parsed_options=options))
+             for _ in range(4)]
+    for user in users:
+        locustfile.StreamingUser.setup(user)
+    walk = users[0].walk
     items = walk.conversations if hasattr(walk, "conversations") else walk.requests
+    if len(items) > 10**6:  # generated without end (agentic): what four users send first
+        items = {"count": len(items), "first": [user.walk.next_request() for user in users]}
     chosen[options.workload if argv else "default"] = items
 try:
     parser.parse_args(["--workload", "nonesuch"])
@@ -114,9 +119,23 @@ def test_locustfile_workload_option_selects_the_workloads_prompts():
     assert chosen.pop("default") == prompt_messages(WORKLOADS["chat"])
     assert set(chosen) == set(WORKLOAD_NAMES)
     for workload, items in chosen.items():
-        if workload in CONVERSATIONS:
+        if workload == "agentic":
+            check_agentic_users(items)
+        elif workload in CONVERSATIONS:
             assert items == read_conversations(CONVERSATIONS[workload]), workload
         else:
             assert items == prompt_messages(WORKLOADS[workload]), workload
             user_texts = [messages[-1]["content"] for messages in items]
             assert user_texts == read_prompts(WORKLOADS[workload]), workload
+
+
+def check_agentic_users(items: dict) -> None:
+    """Four Locust users on agentic: each opens a task of its own (a random one of them
+    all) after the head that defines the tools and shows them called."""
+    import agentic
+
+    assert items["count"] == agentic.NUM_TASKS
+    first = items["first"]
+    assert all(request[:-1] == agentic.HEAD for request in first)
+    assert all(request[-1]["content"].startswith("Ticket ") for request in first)
+    assert len({request[-1]["content"] for request in first}) == 4

@@ -1,8 +1,8 @@
 """Planted bugs the loop's tests must catch.
 
 Each mutant is one edit to a copy of the project (specdec/, build/, tests/,
-model_repository/, pyproject.toml; the models are linked); the tests named for it then run on
-the copy and must fail. A mutant whose tests pass is a bug the suite would let through.
+model_repository/, loadtest/, pyproject.toml; the models are linked); the tests named for it
+then run on the copy and must fail. A mutant whose tests pass is a bug the suite would let through.
 
     .venv/bin/python tests/mutations/run.py              # every mutant (make mutations)
     .venv/bin/python tests/mutations/run.py --list
@@ -245,11 +245,28 @@ MUTANTS = [
         "cache_salt = body.cache_salt",
         tests=("tests/test_openai_auth.py::test_each_key_reaches_triton_with_its_own_cache_salt",),
     ),
+    Mutant(
+        "agentic-modes-share-tasks",
+        "bench's modes walk the agentic tasks without parts of their own: a prompt sent twice",
+        "loadtest/bench.py",
+        "self.concurrency, self.render, self.part_of)",
+        "self.concurrency, self.render)",
+        tests=("tests/test_agentic.py::test_no_prompt_is_sent_twice_in_a_bench_run_of_agentic",),
+    ),
+    Mutant(
+        "agentic-warm-up-repeats",
+        "bench's warm-up sends the first task of part 0, which the first mode then sends again",
+        "loadtest/bench.py",
+        "warm_up = render(workload.first_request(next(parts)))\n        generate(warm_up, url,",
+        "warm_up = render(workload.first_request())\n        generate(warm_up, url,",
+        tests=("tests/test_agentic.py::test_no_prompt_is_sent_twice_in_a_bench_run_of_agentic",),
+    ),
 ]
 
 
 def copy_project(into: Path) -> None:
-    for name in ("specdec", "build", "tests", "model_repository"):  # tests import build/
+    # tests import build/ and loadtest/
+    for name in ("specdec", "build", "tests", "model_repository", "loadtest"):
         shutil.copytree(
             PROJECT_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__")
         )
