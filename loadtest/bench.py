@@ -312,6 +312,15 @@ class StaggeredLoad:
         for thread in self.threads:
             thread.start()
 
+    def cache_salt(self, mode: str) -> str | None:
+        """A workload that sends every mode the same prompts (all but agentic) runs each mode
+        and level under a salt of its own: otherwise the suffix store (and the prefix cache)
+        would hand a mode the answers another mode, or a lower level, got to the same
+        prompts. A unique workload shares the store, as real traffic does (None: no salt)."""
+        if self.workload.unique:
+            return None
+        return f"bench-{mode}-{self.concurrency}"
+
     def _stream(self, index: int) -> None:
         def on_chunk(_chunk: str) -> None:
             self.first_token[index] = True
@@ -344,6 +353,7 @@ class StaggeredLoad:
                     prompts.next_prompt(mode),
                     max_tokens=max_tokens,
                     stream=True,
+                    cache_salt=self.cache_salt(mode),
                     **mode_inputs(mode),
                     return_perf_metrics=True,
                     return_num_input_tokens=True,

@@ -209,7 +209,12 @@ class StreamingUser:
         self.options = self.environment.parsed_options
         self.rng = random.Random()
         # the user's requests: a walk of the workload, in random order, kept across its tasks
-        self.walk = workload_of(self.options.workload).walk(lambda count: shuffled(self.rng, count))
+        workload = workload_of(self.options.workload)
+        self.walk = workload.walk(lambda count: shuffled(self.rng, count))
+        # A workload whose prompts repeat (all but agentic) runs each mode under a cache_salt
+        # of its own: the suffix store and the prefix cache then never hand one mode's
+        # windows the answers another mode got to the same prompts.
+        self.salted = not workload.unique
         self.current: tuple[dict, StreamResult] | None = None  # the request under way
 
     def next_request(self) -> dict:
@@ -244,6 +249,8 @@ class StreamingUser:
         o = self.options
         params = dict(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p)
         params.update(REQUEST_INPUTS[mode])
+        if self.salted:
+            params["cache_salt"] = f"locust-{mode}"
         if o.temperature > 0:
             params["seed"] = self.rng.randrange(2**32)
         return params
@@ -379,7 +386,7 @@ class OpenAIUser(StreamingUser, FastHttpUser):
             "temperature": params["temperature"],
             "top_p": params["top_p"],
         }
-        for name in ("seed", "num_draft_tokens"):
+        for name in ("seed", "num_draft_tokens", "cache_salt"):
             if name in params:
                 body[name] = params[name]
         messages = self.walk.next_request()

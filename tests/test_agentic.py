@@ -136,9 +136,12 @@ class FakeClient:
     def __exit__(self, *exc) -> None:
         pass
 
+    salted: list[tuple[str | None, str]] = []  # (cache_salt, prompt) of the loads' requests
+
     def generate(self, prompt: str, on_chunk=None, **params) -> GenerationResult:
         with self.lock:
             self.sent.append(prompt)
+            self.salted.append((params.get("cache_salt"), prompt))
         time.sleep(0.002)  # a request takes time: the streams take turns
         on_chunk("{")
         answer = scripted_answer(prompt)
@@ -149,7 +152,7 @@ class FakeClient:
 def bench_prompts(monkeypatch, workload: str) -> list[str]:
     """Every prompt a bench run sends (warm-up, lead-ins, counted requests): two modes at
     1 and 3 streams, each in two windows of 0.15 s per level, on a fake client."""
-    FakeClient.sent = []
+    FakeClient.sent, FakeClient.salted = [], []
     monkeypatch.setattr(bench, "StreamingClient", FakeClient)
     monkeypatch.setattr(bench, "generate", lambda prompt, *a, **k: FakeClient.sent.append(prompt))
     config = bench.BenchConfig(["k0", "adaptive"], [1, 3], level_seconds=0.3)
@@ -175,9 +178,22 @@ def test_no_prompt_is_sent_twice_in_a_bench_run_of_agentic(monkeypatch):
 
 
 def test_the_other_workloads_still_send_every_mode_the_same_prompts(monkeypatch):
-    """Negative control: multi-turn's modes walk one sequence, so its prompts repeat."""
+    """Negative control: multi-turn's modes walk one sequence, so its prompts repeat; but
+    each mode and level sends them under a cache_salt of its own, so that the store and the
+    prefix cache never hand a mode another mode's (or level's) answer to the same prompt.
+    Agentic's prompts never repeat: its modes share the store, as real traffic does."""
     sent = bench_prompts(monkeypatch, "multi-turn")
     assert len(set(sent)) < len(sent)
+    salted = FakeClient.salted
+    assert {salt for salt, _ in salted} == {
+        f"bench-{mode}-{streams}" for mode in ("k0", "adaptive") for streams in (1, 3)
+    }
+    assert all(salt is None for salt, _ in bench_prompts_salted(monkeypatch, "agentic"))
+
+
+def bench_prompts_salted(monkeypatch, workload: str) -> list[tuple[str | None, str]]:
+    bench_prompts(monkeypatch, workload)
+    return FakeClient.salted
 
 
 def test_the_bench_modes_of_agentic_walk_parts_of_their_own(tokenizer):
