@@ -35,13 +35,21 @@ def indexed(text: list[int], depth: int) -> SuffixIndex:
 @pytest.mark.parametrize(
     ("text", "tail", "max_tokens", "tokens", "probabilities"),
     [
-        # (7, 1) was followed by 2 twice, 3 once: 2/(3+1); then (1, 2) by 7 once: 1/2.
-        ([7, 1, 2, 7, 1, 3, 7, 1, 2], [5, 7, 1], 2, [2, 7], [0.5, 0.25]),
-        # ...and the walk stops where the product falls below 0.1.
-        ([7, 1, 2, 7, 1, 3, 7, 1, 2], [5, 7, 1], 8, [2, 7, 1], [0.5, 0.25, 0.125]),
+        # (7, 1) was followed by 2 twice, 3 once: 2 / (3 + 1/2); then (1, 2) by 7 once: 1 / 1.5
+        ([7, 1, 2, 7, 1, 3, 7, 1, 2], [5, 7, 1], 2, [2, 7], [4 / 7, 4 / 7 * 2 / 3]),
+        # ...and on, (2, 7) -> 1, (7, 1) -> 2, until the product falls below 0.1
+        (
+            [7, 1, 2, 7, 1, 3, 7, 1, 2],
+            [5, 7, 1],
+            8,
+            [2, 7, 1, 2],
+            [4 / 7, 8 / 21, 16 / 63, 64 / 441],
+        ),
         # a context seen four times the same way is surer than one seen once
-        ([4, 5, 6] * 4, [9, 4, 5], 2, [6, 4], [0.8, 0.8 * 0.75]),
-        ([4, 5, 6], [9, 4, 5], 2, [6], [0.5]),
+        ([4, 5, 6] * 4, [9, 4, 5], 2, [6, 4], [8 / 9, 8 / 9 * 6 / 7]),
+        ([4, 5, 6], [9, 4, 5], 2, [6], [2 / 3]),
+        # a longer context is surer: seen once after 2 tokens, 2/3; after 1 token, 1/2
+        ([4, 5, 6], [9, 9, 5], 2, [6], [1 / 2]),
         ([1, 2, 3], [8, 9], 4, [], []),  # no context of the tail was seen
     ],
 )
