@@ -74,13 +74,23 @@ def test_prompt_lookup_greedy_equals_transformers_generate(server, references, s
         assert result.text == expected, prompt
 
 
-def test_the_suffix_store_is_fed_bounded_and_counted_on_metrics(server):
+def test_the_suffix_store_is_fed_bounded_and_counted_on_metrics(server, references):
     """Every answer feeds the store (its size gauges), and suffix proposals are counted by
-    proposer like the others' (the cases above ran by now or run here)."""
-    params = dict(max_tokens=NUM_TOKENS, proposer="suffix", num_draft_tokens=8)
-    run_concurrently(
-        server.url, "ensemble", [(p, dict(params, fixed_num_draft_tokens=True)) for p in PROMPTS]
+    proposer like the others'; a request alone, proposed its own earlier answer by the store,
+    still writes exactly the target's greedy text."""
+    params = dict(
+        max_tokens=NUM_TOKENS,
+        proposer="suffix",
+        num_draft_tokens=8,
+        fixed_num_draft_tokens=True,
+        exclude_input_in_output=True,
     )
+    run_concurrently(server.url, "ensemble", [(p, params) for p in PROMPTS])
+    alone = generate(PROMPTS[0], url=server.url, return_perf_metrics=True, **params)
+    assert alone.error is None, alone.error
+    assert alone.text == references[0]
+    # The store holds this prompt's answer by now: most of its proposals are accepted.
+    assert alone.metrics["acceptance_rate"] > 0.5, alone.metrics
     metrics = scrape_metrics(server.metrics_url)
     assert metrics['specdec_proposer_draft_tokens_total{proposer="suffix"}'] > 0
     assert metrics['specdec_proposer_accepted_draft_tokens_total{proposer="suffix"}'] > 0
