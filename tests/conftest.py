@@ -24,8 +24,13 @@ def target_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def server(target_dir):
-    """The default repository: 4-layer draft, torch engine, default k."""
-    running = ManagedServer("test-default", {"NUM_SLOTS": "32", "MAX_CONTEXT": "1024"})
+    """The default repository: 4-layer draft, torch engine, default k; the suffix proposer
+    runs beside the default proposers (it is not among them), so that its cases, and every
+    adaptive request's choice among all three, run here."""
+    running = ManagedServer(
+        "test-default",
+        {"NUM_SLOTS": "32", "MAX_CONTEXT": "1024", "PROPOSERS": "draft_model,ngram,suffix"},
+    )
     yield running
     running.stop()
 

@@ -16,5 +16,6 @@ REGISTRY: dict[str, type[Proposer]] = {
     SuffixProposer.name: SuffixProposer,
 }
 # Those a server runs unless PROPOSERS says otherwise, in order of preference (a fixed k
-# goes to the first).
-PROPOSERS = tuple(REGISTRY)
+# goes to the first). Not suffix: beside the other two it did not pay beyond the noise on
+# any workload measured, and lost on one (docs/benchmarks.md, "The suffix proposer").
+PROPOSERS = (DraftModelProposer.name, NgramProposer.name)
