@@ -62,6 +62,7 @@ import cold_start
 from common import (
     ENGINE_CALL_KINDS,
     MODES,
+    PROPOSER_NAMES,
     TIMED_PARTS,
     VARIANT,
     WORKLOAD_NAMES,
@@ -189,6 +190,14 @@ class LevelResult:
     # Of the requests' prompt tokens, those the server took from another sequence's cache
     # (kv_cache_reused_blocks / num_input_tokens; 0 where the server reuses none).
     reused_prompt_fraction: float = 0.0
+    # Each proposer's draft tokens and those accepted, over the counted windows (the server's
+    # specdec_proposer_*_tokens_total): a mixed mode's share by proposer.
+    draft_model_drafted: float = 0.0
+    draft_model_accepted: float = 0.0
+    ngram_drafted: float = 0.0
+    ngram_accepted: float = 0.0
+    suffix_drafted: float = 0.0
+    suffix_accepted: float = 0.0
 
 
 @dataclass
@@ -466,6 +475,11 @@ def summarize(
         stream_interval=inputs.get("stream_interval", 1),
         **engine_calls(windows, totals["iterations"]),
         reused_prompt_fraction=reused_tokens / prompt_tokens if prompt_tokens else 0.0,
+        **{
+            f"{name}_{what}": sum(w.counters.get(f"{name}_{key}", 0.0) for w in windows)
+            for name in PROPOSER_NAMES
+            for what, key in (("drafted", "draft_tokens"), ("accepted", "accepted"))
+        },
     )
 
 

@@ -214,8 +214,27 @@ def per_call(counted: dict[str, float]) -> dict[str, float | None]:
 
 
 def server_counters(metrics_url: str | None) -> dict[str, float]:
-    """The server's emitted tokens, iterations and loop seconds by part; {} without metrics."""
-    return {} if metrics_url is None else loop_counters(scrape_metrics(metrics_url))
+    """The server's emitted tokens, iterations, loop seconds by part and each proposer's
+    draft and accepted tokens; {} without metrics."""
+    if metrics_url is None:
+        return {}
+    values = scrape_metrics(metrics_url)
+    return loop_counters(values) | proposer_counters(values)
+
+
+def proposer_counters(values: dict[str, float]) -> dict[str, float]:
+    """Each proposer's draft tokens and accepted ones (`<name>_draft_tokens`,
+    `<name>_accepted`), from a scrape_metrics result."""
+    counters = {}
+    for name in PROPOSER_NAMES:
+        label = f'{{proposer="{name}"}}'
+        counters[f"{name}_draft_tokens"] = values.get(
+            f"specdec_proposer_draft_tokens_total{label}", 0.0
+        )
+        counters[f"{name}_accepted"] = values.get(
+            f"specdec_proposer_accepted_draft_tokens_total{label}", 0.0
+        )
+    return counters
 
 
 def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -237,17 +256,10 @@ def per_iteration(counted: dict[str, float]) -> dict[str, float]:
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What the server did between two scrapes: the loop figures bench reports, and each proposer's
     draft and accepted tokens."""
-
-    def delta(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
     counted = deltas(loop_counters(before), loop_counters(after))
     report = {"iterations": counted["iterations"], "emitted_tokens": counted["tokens"]}
     report.update(per_iteration(counted))
-    for name in PROPOSER_NAMES:
-        label = f'{{proposer="{name}"}}'
-        report[f"{name}_draft_tokens"] = delta(f"specdec_proposer_draft_tokens_total{label}")
-        report[f"{name}_accepted"] = delta(f"specdec_proposer_accepted_draft_tokens_total{label}")
+    report.update(deltas(proposer_counters(before), proposer_counters(after)))
     return report
 
 

@@ -97,7 +97,7 @@ def run_k4(target_dir: Path, draft_dir: Path, num_tokens: int = 40) -> list:
     config = SchedulerConfig(4, 256, max_draft_tokens=4, default_draft_tokens=None, max_queue=8)
     scheduler = SpeculativeScheduler(LocalEngines(draft, target), config, tokenizer.decode)
     ids = tokenizer.encode(PROMPT)
-    k4 = dict(num_draft_tokens=4, fixed_num_draft_tokens=True, proposer="draft_model")
+    k4 = dict(num_draft_tokens=4, fixed_num_draft_tokens=True, proposers=("draft_model",))
     sequences = [
         scheduler.submit(
             GenerationRequest(None, ids, num_tokens, end_id=END_ID, seed=i, temperature=t, **k4)
