@@ -16,6 +16,6 @@ REGISTRY: dict[str, type[Proposer]] = {
     SuffixProposer.name: SuffixProposer,
 }
 # Those a server runs unless PROPOSERS says otherwise, in order of preference (a fixed k
-# goes to the first). Not suffix: beside the other two it did not pay beyond the noise on
-# any workload measured, and lost on one (docs/benchmarks.md, "The suffix proposer").
+# goes to the first). Not suffix: beside the other two it gained beyond the noise floor on
+# one workload and level and lost on another (docs/benchmarks.md, "The suffix proposer").
 PROPOSERS = (DraftModelProposer.name, NgramProposer.name)
