@@ -192,11 +192,11 @@ class LevelResult:
     reused_prompt_fraction: float = 0.0
     # Each proposer's draft tokens and those accepted, over the counted windows (the server's
     # specdec_proposer_*_tokens_total): a mixed mode's share by proposer.
-    draft_model_drafted: float = 0.0
+    draft_model_draft_tokens: float = 0.0
     draft_model_accepted: float = 0.0
-    ngram_drafted: float = 0.0
+    ngram_draft_tokens: float = 0.0
     ngram_accepted: float = 0.0
-    suffix_drafted: float = 0.0
+    suffix_draft_tokens: float = 0.0
     suffix_accepted: float = 0.0
 
 
@@ -476,9 +476,9 @@ def summarize(
         **engine_calls(windows, totals["iterations"]),
         reused_prompt_fraction=reused_tokens / prompt_tokens if prompt_tokens else 0.0,
         **{
-            f"{name}_{what}": sum(w.counters.get(f"{name}_{key}", 0.0) for w in windows)
+            key: sum(w.counters.get(key, 0.0) for w in windows)
             for name in PROPOSER_NAMES
-            for what, key in (("drafted", "draft_tokens"), ("accepted", "accepted"))
+            for key in (f"{name}_draft_tokens", f"{name}_accepted")
         },
     )
 

@@ -27,8 +27,7 @@ from suffix_cost import run as measure_cost  # noqa: E402
 
 def indexed(text: list[int], depth: int) -> SuffixIndex:
     index = SuffixIndex(depth)
-    for end in range(1, len(text)):
-        index.add(text, end)
+    index.add_from(text, 1)
     return index
 
 

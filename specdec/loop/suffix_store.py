@@ -117,6 +117,11 @@ class SuffixIndex:
             elif followers.add(token):
                 self.num_followers += 1
 
+    def add_from(self, text: Sequence[int], start: int) -> None:
+        """add(text, end) for every end from `start` (at least 1) to the text's end."""
+        for end in range(max(start, 1), len(text)):
+            self.add(text, end)
+
     def remove(self, text: Sequence[int], end: int) -> None:
         """Takes back what add(text, end) counted."""
         token = text[end]
@@ -219,9 +224,8 @@ class SuffixStore:
             index = self.indexes[document.salt] = SuffixIndex(self.depth)
         contexts, followers = len(index.table), index.num_followers
         text = document.token_ids
-        for token in token_ids:
-            text.append(token)
-            index.add(text, len(text) - 1)
+        text.extend(token_ids)
+        index.add_from(text, len(text) - len(token_ids))
         self._resize(len(token_ids), len(index.table) - contexts, index.num_followers - followers)
         self._evict()
         return document

@@ -76,8 +76,7 @@ class SuffixProposer(Proposer):
         sequence = candidate.sequence
         text = self._row(sequence)
         tokens = sequence.token_ids
-        for end in range(max(text.num_indexed, 1), len(tokens)):
-            text.own.add(tokens, end)
+        text.own.add_from(tokens, text.num_indexed)
         text.num_indexed = len(tokens)
         own = text.own.walk(tokens, candidate.max_k, MIN_PROBABILITY)
         salt = sequence.request.cache_salt
