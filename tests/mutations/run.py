@@ -198,6 +198,15 @@ MUTANTS = [
         tests=("tests/test_suffix.py",),
     ),
     Mutant(
+        "stop-word-lookback-short",
+        "stop words look back len(word) - 2 characters: a word whose last character alone is new"
+        " goes unseen",
+        "specdec/text/detokenizer.py",
+        "tail_start = len(self.text) - max(len(w) for w in self.stop_words)",
+        "tail_start = len(self.text) - (max(len(w) for w in self.stop_words) - 2)",
+        tests=("tests/test_detokenizer.py",),
+    ),
+    Mutant(
         "padding-writes-real-positions",
         "a padded call's padding tokens write the first positions of their slots",
         "specdec/engines/graphs.py",
