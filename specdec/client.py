@@ -51,6 +51,19 @@ INPUT_TYPES: dict[str, tuple[str, type]] = {
     "return_context_logits": ("BOOL", np.bool_),
     "return_generation_logits": ("BOOL", np.bool_),
     "use_draft_logits": ("BOOL", np.bool_),
+    "min_p": ("FP32", np.float32),
+    "prompt_ignore_length": ("INT32", np.int32),
+}
+# Inputs that take a list, shaped [B, n]: their type, or None for text.
+LIST_INPUT_TYPES: dict[str, tuple[str, type] | None] = {
+    "stop_words": None,
+    "bad_words": None,
+    "proposer": None,
+    "cache_salt": None,
+    "embedding_bias_words": None,
+    "embedding_bias_weights": ("FP32", np.float32),
+    "logit_bias_ids": ("INT32", np.int32),
+    "logit_bias_values": ("FP32", np.float32),
 }
 METRIC_OUTPUTS = (*PERF_OUTPUTS, "num_input_tokens", "num_output_tokens", "cum_log_probs")
 STREAM_ERROR_WAIT_S = 5.0  # for the reason a stream refused as it opened
@@ -68,11 +81,17 @@ def build_inputs(prompt: str | bytes | list, **params) -> list[grpcclient.InferI
     for name, value in params.items():
         if value is None:
             continue
-        if name in ("stop_words", "bad_words", "proposer", "cache_salt"):
-            value = [value] if isinstance(value, str) else value
-            words = np.array([[w.encode("utf-8") for w in value]] * rows, dtype=np.object_)
-            tensor = grpcclient.InferInput(name, list(words.shape), "BYTES")
-            tensor.set_data_from_numpy(words)
+        if name in LIST_INPUT_TYPES:
+            value = [value] if isinstance(value, str | int | float) else list(value)
+            numeric = LIST_INPUT_TYPES[name]
+            if numeric is None:
+                array = np.array([[w.encode("utf-8") for w in value]] * rows, dtype=np.object_)
+            else:
+                array = np.array([value] * rows, dtype=numeric[1]).reshape(rows, len(value))
+            tensor = grpcclient.InferInput(
+                name, list(array.shape), "BYTES" if numeric is None else numeric[0]
+            )
+            tensor.set_data_from_numpy(array)
         else:
             triton_type, dtype = INPUT_TYPES[name]
             tensor = grpcclient.InferInput(name, [rows, 1], triton_type)

@@ -176,7 +176,9 @@ def test_stop_sequences_are_left_out(server, client):
         ({"extra_body": {"best_of": 2}}, "best_of"),  # not a field of this server
         ({"temperature": 5.0}, "temperature"),  # out of OpenAI's range
         ({"n": 1000}, "n"),  # the BLS's InvalidInput (num_return_sequences), passed through
-        ({"presence_penalty": 0.5}, "presence_penalty"),  # likewise
+        ({"presence_penalty": 2.5}, "presence_penalty"),  # out of OpenAI's range
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),  # the BLS's: outside the vocabulary
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
         ({"extra_body": {"num_draft_tokens": 99}}, "num_draft_tokens"),  # likewise
         ({"max_tokens": 0}, "max_tokens"),
     ],

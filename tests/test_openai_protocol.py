@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from specdec.openai_api.protocol import (
+    OUTPUT_ONLY,
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
@@ -137,3 +138,32 @@ def test_streamed_chat_chunks_carry_the_role_once_and_usage_null():
     last = builder.chunk(choice, "", "stop")
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     assert builder.usage_chunk([choice])["choices"] == []
+
+
+def test_sampling_controls_map_to_the_bls_inputs():
+    """OpenAI's penalties count the output only (prompt_ignore_length past any prompt);
+    logit_bias goes by token id; bad_words (vLLM's) with and without a leading space."""
+    body = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "hi",
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.25,
+            "logit_bias": {"17": -100, "42": 3.5},
+            "repetition_penalty": 1.2,
+            "min_p": 0.05,
+            "bad_words": ["foo", " bar"],
+        }
+    )
+    params = triton_params(body, 16)
+    assert params["presence_penalty"] == 0.5 and params["frequency_penalty"] == -0.25
+    assert params["prompt_ignore_length"] == OUTPUT_ONLY
+    assert params["logit_bias_ids"] == [17, 42] and params["logit_bias_values"] == [-100, 3.5]
+    assert params["repetition_penalty"] == 1.2 and params["min_p"] == 0.05
+    assert params["bad_words"] == ["foo", " foo", " bar"]
+    plain = triton_params(CompletionRequest.model_validate({"model": "m", "prompt": "hi"}), 16)
+    assert not {"prompt_ignore_length", "logit_bias_ids", "bad_words", "min_p"} & set(plain)
+    for bad in ({"presence_penalty": 2.5}, {"min_p": 2}, {"logit_bias": {"x": 1}}):
+        with pytest.raises(ValidationError) as refused:
+            CompletionRequest.model_validate({"model": "m", "prompt": "hi", **bad})
+        assert validation_error(refused.value.errors()).param == next(iter(bad))

@@ -9,14 +9,35 @@ from specdec.loop.proposers import PROPOSERS
 from specdec.text.request import InvalidInput, parse_request, parse_requests, split_rows
 
 
-def tokenize(text: str) -> list[int]:
+VOCAB_SIZE = 300
+
+
+def tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
     return [ord(c) for c in text]
 
 
-def parse(**inputs):
+def parse(vocab_size: int = VOCAB_SIZE, **inputs):
     return parse_request(
-        inputs, tokenize, max_context=16, max_draft_tokens=8, default_end_id=2, proposers=PROPOSERS
+        inputs,
+        tokenize,
+        max_context=16,
+        max_draft_tokens=8,
+        default_end_id=2,
+        proposers=PROPOSERS,
+        vocab_size=vocab_size,
     )
+
+
+def floats(*values) -> np.ndarray:
+    return np.array([values], dtype=np.float32)
+
+
+def ints(*values) -> np.ndarray:
+    return np.array([values], dtype=np.int32)
+
+
+def words(*values: str) -> np.ndarray:
+    return np.array([[v.encode() for v in values]], dtype=np.object_)
 
 
 def text(value: str | bytes) -> np.ndarray:
@@ -70,10 +91,43 @@ def test_defaults():
         ("num_return_sequences", {**GOOD, "num_return_sequences": i32(0)}),
         ("num_return_sequences", {**GOOD, "num_return_sequences": i32(-2)}),
         ("num_return_sequences", {**GOOD, "num_return_sequences": i32(65)}),  # over the limit
-        ("repetition_penalty", {**GOOD, "repetition_penalty": f32(1.2)}),
+        ("repetition_penalty", {**GOOD, "repetition_penalty": f32(0.0)}),
+        ("repetition_penalty", {**GOOD, "repetition_penalty": f32(float("nan"))}),
+        ("presence_penalty", {**GOOD, "presence_penalty": f32(float("inf"))}),
+        ("frequency_penalty", {**GOOD, "frequency_penalty": i32(1)}),  # not a float
+        ("length_penalty", {**GOOD, "length_penalty": f32(2.0)}),  # beam search only
+        ("min_p", {**GOOD, "min_p": f32(1.5)}),
+        ("min_p", {**GOOD, "min_p": f32(-0.1)}),
+        ("prompt_ignore_length", {**GOOD, "prompt_ignore_length": i32(-1)}),
+        ("logit_bias_ids", {**GOOD, "logit_bias_ids": ints(300), "logit_bias_values": floats(1)}),
+        ("logit_bias_ids", {**GOOD, "logit_bias_ids": ints(-1), "logit_bias_values": floats(1)}),
+        (
+            "logit_bias_values",
+            {**GOOD, "logit_bias_ids": ints(5), "logit_bias_values": floats(101)},
+        ),
+        (
+            "logit_bias_values",
+            {**GOOD, "logit_bias_ids": ints(5, 6), "logit_bias_values": floats(1)},
+        ),
+        (
+            "embedding_bias_weights",
+            {
+                **GOOD,
+                "embedding_bias_words": words("a", "b"),
+                "embedding_bias_weights": floats(1.0),
+            },
+        ),
+        (
+            "embedding_bias_weights",
+            {
+                **GOOD,
+                "embedding_bias_words": words("a"),
+                "embedding_bias_weights": floats(float("nan")),
+            },
+        ),
+        ("bad_words", {**GOOD, "bad_words": words("\u0400")}),  # token 1024: outside
         ("return_context_logits", {**GOOD, "return_context_logits": np.array([[True]])}),
         ("return_generation_logits", {**GOOD, "return_generation_logits": np.array([[True]])}),
-        ("bad_words", {**GOOD, "bad_words": text("no")}),
         ("stop_words", {**GOOD, "stop_words": np.array([[b"a"], [b"b"]], dtype=np.object_)}),
         ("stream", {**GOOD, "stream": i32(1)}),
         ("proposer", {**GOOD, "proposer": text("medusa")}),
@@ -251,3 +305,37 @@ def test_a_bad_prompt_in_a_batch_refuses_the_request_naming_field_and_index(fiel
         parse_all(**inputs)
     assert raised.value.field == field
     assert str(raised.value) == message
+
+
+def test_logit_controls_are_parsed():
+    request = parse(
+        **GOOD,
+        repetition_penalty=f32(1.25),
+        presence_penalty=f32(-0.5),
+        frequency_penalty=f32(0.75),
+        prompt_ignore_length=i32(3),
+        min_p=f32(0.1),
+        logit_bias_ids=ints(7, 8, 7),
+        logit_bias_values=floats(1.5, -100, 2.0),
+        embedding_bias_words=words("ab", "c"),
+        embedding_bias_weights=floats(0.5, -1.0),
+        bad_words=words("x", "yz"),
+    )
+    assert (request.repetition_penalty, request.presence_penalty) == (1.25, -0.5)
+    assert (request.frequency_penalty, request.prompt_ignore_length) == (0.75, 3)
+    assert request.min_p == pytest.approx(0.1)
+    # a repeated id adds up; each token of a biased word gets the word's weight
+    assert request.logit_bias == {7: 3.5, 8: -100.0, ord("a"): 0.5, ord("b"): 0.5, ord("c"): -1.0}
+    assert request.bad_words_ids == [[ord("x")], [ord("y"), ord("z")]]
+    assert request.has_logit_controls and not parse(**GOOD).has_logit_controls
+
+
+def test_bad_words_that_ban_every_token_are_refused():
+    every = words(*(chr(i) for i in range(3)))
+    with pytest.raises(InvalidInput, match="^bad_words: .*every token"):
+        parse(vocab_size=3, **GOOD, bad_words=every)
+    # With min_tokens the end token (2) is banned at first too: two bad words leave nothing.
+    two = words(chr(0), chr(1))
+    assert parse(vocab_size=3, **GOOD, bad_words=two).bad_words_ids == [[0], [1]]
+    with pytest.raises(InvalidInput, match="^bad_words: "):
+        parse(vocab_size=3, **GOOD, bad_words=two, min_tokens=i32(1))

@@ -22,10 +22,13 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from specdec.engines.controls import CallControls, LogitControls, apply_controls
 from specdec.engines.engine import MAX_BATCHED_QUERY, Engine
 from specdec.engines.graphs import CallGraphs, fits
 from specdec.engines.sampling import RowSampling, choose_tokens
 from specdec.engines.wire import (
+    CONTROL_ENTRY_FIELDS,
+    CONTROL_ROW_FIELDS,
     OPTIONAL_BATCH_FIELDS,
     EngineBatch,
     EngineResult,
@@ -47,6 +50,7 @@ def rows_sampling(
         top_p=torch.from_numpy(batch.top_p[rows].astype(np.float32)),
         end_id=torch.from_numpy(batch.end_ids[rows].astype(np.int64)),
         block_end=torch.from_numpy(steps < batch.min_tokens_left[rows]),
+        min_p=torch.from_numpy(batch.min_p[rows].astype(np.float32)) if batch.min_p.size else None,
     )
     return sampling.to(device)
 
@@ -72,13 +76,14 @@ def _choose(
     rows: np.ndarray,  # (R,) the batch row of each logits row
     steps: np.ndarray,  # (R,) its step in this call
     positions: np.ndarray,  # (R,) the chosen token's position in its sequence
+    controls: LogitControls | None = None,  # the rows' logit controls (CallControls)
     with_log_probs: bool = False,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Tokens (R,) int32 and, where rows ask, their log-probabilities (R,) float32: chosen
     where the logits are; only these numbers come back to the host."""
     wanted = torch.from_numpy(batch.wants_log_probs()[rows]) if with_log_probs else None
     tokens, log_probs = choose_tokens(
-        logits,
+        apply_controls(logits, controls),
         rows_sampling(batch, rows, steps, logits.device),
         torch.from_numpy(batch.seeds[rows].astype(np.int64)),
         torch.from_numpy(positions.astype(np.int64)),
@@ -148,8 +153,17 @@ def select_rows(batch: EngineBatch, rows: np.ndarray) -> EngineBatch:
         if f.name != "input_ids" and f.name not in OPTIONAL_BATCH_FIELDS
     }
     selected = EngineBatch(input_ids=np.concatenate(tokens), **per_row)
-    if batch.return_log_probs.size:
-        selected.return_log_probs = batch.return_log_probs[rows]
+    for name in ("return_log_probs", *CONTROL_ROW_FIELDS):
+        if getattr(batch, name).size:
+            setattr(selected, name, getattr(batch, name)[rows])
+    new_row = np.full(len(batch.slot_ids), -1, dtype=np.int32)
+    new_row[rows] = np.arange(len(rows))
+    for rows_name in dict.fromkeys(CONTROL_ENTRY_FIELDS.values()):
+        kept = np.nonzero(new_row[getattr(batch, rows_name)] >= 0)[0]
+        setattr(selected, rows_name, new_row[getattr(batch, rows_name)[kept]])
+        for name, its_rows in CONTROL_ENTRY_FIELDS.items():
+            if its_rows == rows_name:
+                setattr(selected, name, getattr(batch, name)[kept])
     return selected
 
 
@@ -210,7 +224,10 @@ def _eager_target(engine: Engine, batch: EngineBatch) -> EngineResult:
     steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     # Logits after the fed token at position p choose the token at p + 1.
     fed = batch.cache_lengths.astype(np.int64) + batch.input_lengths - batch.num_steps
-    tokens, log_probs = _choose(logits, batch, rows, steps, fed[rows] + steps + 1, True)
+    positions = fed[rows] + steps + 1
+    call = CallControls(batch)
+    controls = call.for_logits(rows, positions, lambda row: call.inputs[row], logits)
+    tokens, log_probs = _choose(logits, batch, rows, steps, positions, controls, True)
     result.token_ids[rows, steps] = tokens
     if log_probs is not None:
         result.log_probs = np.zeros(result.token_ids.shape, dtype=np.float32)
@@ -235,9 +252,16 @@ def _eager_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
         result.hindsight_hits = _hindsight_hits(batch, hindsight, lambda r: guesses[: ends[r]])
     rows = np.nonzero(batch.num_steps > 0)[0]
     logits = logits[torch.from_numpy(ends[rows] - 1).to(logits.device)]  # (rows, V)
+    call = CallControls(batch)
+
+    def written(row: int) -> np.ndarray:  # its input, then its proposals so far
+        proposals = result.token_ids[row]
+        return np.concatenate([call.inputs[row], proposals[proposals >= 0]])
+
     for step in range(int(batch.num_steps.max(initial=0))):
         steps = np.full(len(rows), step)
-        tokens, _ = _choose(logits, batch, rows, steps, cache_lengths[rows])
+        controls = call.for_logits(rows, cache_lengths[rows], written, logits)
+        tokens, _ = _choose(logits, batch, rows, steps, cache_lengths[rows], controls)
         result.token_ids[rows, step] = tokens
         more = batch.num_steps[rows] > step + 1
         rows, tokens = rows[more], tokens[more]

@@ -144,9 +144,10 @@ def call_filters(batch: EngineBatch, vocab_size: int) -> Filters | None:
 
 
 def fits(batch: EngineBatch, role: str) -> np.ndarray:
-    """(B,) bool: the rows a padded program takes. Longer rows (prefill) and rows that ask
-    for log-probabilities run eagerly."""
-    short = batch.input_lengths <= MAX_BATCHED_QUERY
+    """(B,) bool: the rows a padded program takes. Longer rows (prefill), rows that ask
+    for log-probabilities and rows with logit controls (specdec/engines/controls.py: their
+    work depends on their history) run eagerly."""
+    short = (batch.input_lengths <= MAX_BATCHED_QUERY) & ~batch.has_controls()
     if role == "target":
         return short & ~batch.wants_log_probs()
     return short

@@ -1,7 +1,8 @@
 """Per-row logit processing and sampling, shared by the draft and the target engine.
 
 "The target distribution" is the target's softmax after the request's own processing
-(end token blocked before min_tokens, temperature, top-k, top-p). The draft applies the same
+(its logit controls, specdec/engines/controls.py; the end token blocked before min_tokens;
+temperature, top-k, top-p, min_p). The draft applies the same
 processing to its own logits, which keeps its proposals close to what will be accepted.
 Temperature 0 means greedy: the row takes the argmax. A sampled row draws by Gumbel-max
 with noise keyed by its seed and position (specdec/engines/coupling.py), so the draft and the
@@ -26,12 +27,19 @@ class RowSampling:
     top_p: torch.Tensor  # (R,) float32, 1 = off
     end_id: torch.Tensor  # (R,) int64, -1 = none
     block_end: torch.Tensor  # (R,) bool: the end token may not be produced here
+    min_p: torch.Tensor | None = None  # (R,) float32, 0 = off; None: no row uses it
 
     def select(self, rows: torch.Tensor) -> RowSampling:
-        return RowSampling(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+        return RowSampling(*(self._field(f, lambda t: t[rows]) for f in self.__dataclass_fields__))
 
     def to(self, device: torch.device | str) -> RowSampling:
-        return RowSampling(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return RowSampling(
+            *(self._field(f, lambda t: t.to(device)) for f in self.__dataclass_fields__)
+        )
+
+    def _field(self, name: str, change):
+        value = getattr(self, name)
+        return None if value is None else change(value)
 
 
 def block_end_tokens(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
@@ -60,19 +68,21 @@ class Filters:
 
     top_k_size: int
     top_p: bool
+    min_p: bool = False  # some row uses min_p (eager calls only: controlled rows)
 
 
 def read_filters(sampling: RowSampling, vocab_size: int) -> Filters:
     """The filters of `sampling`'s rows, read from the device (eager calls)."""
     size = int(sampling.top_k.max().clamp(min=0, max=vocab_size)) if len(sampling.top_k) else 0
-    return Filters(size, bool((sampling.top_p < 1).any()))
+    min_p = sampling.min_p is not None and bool((sampling.min_p > 0).any())
+    return Filters(size, bool((sampling.top_p < 1).any()), min_p)
 
 
 def sampling_scores(
     logits: torch.Tensor, sampling: RowSampling, filters: Filters | None = None
 ) -> torch.Tensor:
     """(R, V) logits -> (R, V) float32 log-probabilities of the target distribution up to a
-    constant per row: temperature, top-k and top-p applied, filtered tokens -inf.
+    constant per row: temperature, top-k, top-p and min_p applied, filtered tokens -inf.
 
     Rows must have temperature > 0. filters None: read from `sampling` (read_filters);
     given, nothing here reads the device, so a CUDA graph can capture it.
@@ -97,6 +107,10 @@ def sampling_scores(
         drop_sorted &= (sampling.top_p < 1)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
+    if filters.min_p and sampling.min_p is not None:
+        # min_p: a token stays if its probability is at least min_p times the best one's.
+        best = scores.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(scores < best + sampling.min_p.log()[:, None], float("-inf"))
     return scores
 
 

@@ -51,6 +51,26 @@ class EngineBatch:
     copy_src_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     copy_dst_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     copy_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # Logit controls (specdec/engines/controls.py); all empty when no row of the call has any.
+    # Per row (B,): the penalties (repetition 1, presence and frequency 0 = off), the first
+    # sequence position presence and frequency count, and min_p (0 = off).
+    repetition_penalty: np.ndarray = field(default_factory=lambda: _floats(0))
+    presence_penalty: np.ndarray = field(default_factory=lambda: _floats(0))
+    frequency_penalty: np.ndarray = field(default_factory=lambda: _floats(0))
+    occurrence_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    min_p: np.ndarray = field(default_factory=lambda: _floats(0))
+    # Row by row (COO: *_rows names the batch row of each entry), in sequence order: the
+    # last tokens before the row's cache length that its penalties and bad words read.
+    history_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    history_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # Added to the logits (a banned token: -inf).
+    bias_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    bias_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    bias_values: np.ndarray = field(default_factory=lambda: _floats(0))
+    # Bad words of two tokens or more, one per line, padded with -1: the last token is
+    # banned where the tokens before it end the text.
+    bad_word_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    bad_words: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -65,7 +85,19 @@ class EngineBatch:
         missing = [n for n in names if n not in arrays and n not in OPTIONAL_BATCH_FIELDS]
         if missing:
             raise ValueError(f"engine call misses tensors {missing}")
-        return cls(**{n: np.asarray(arrays[n]).reshape(-1) for n in names if n in arrays})
+        return cls(**{n: _field_array(n, arrays[n]) for n in names if n in arrays})
+
+    def has_controls(self) -> np.ndarray:
+        """(B,) bool: rows with a logit control (penalty, min_p, bias, bad word)."""
+        rows = np.zeros(len(self.slot_ids), dtype=np.bool_)
+        if not self.repetition_penalty.size:
+            return rows
+        rows |= self.repetition_penalty != 1
+        rows |= (self.presence_penalty != 0) | (self.frequency_penalty != 0)
+        rows |= self.min_p > 0
+        rows[self.bias_rows] = True
+        rows[self.bad_word_rows] = True
+        return rows
 
     def wants_log_probs(self) -> np.ndarray:
         """(B,) bool: rows whose tokens come with their log-probability."""
@@ -90,7 +122,44 @@ def hindsight_lengths(input_lengths: np.ndarray, temperature: np.ndarray) -> np.
     )
 
 
-OPTIONAL_BATCH_FIELDS = ("return_log_probs", "copy_src_slots", "copy_dst_slots", "copy_lengths")
+def _floats(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.float32)
+
+
+# Logit controls' fields: per row (B,), and entries naming their row (entry field -> its rows).
+CONTROL_ROW_FIELDS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "occurrence_start",
+    "min_p",
+)
+CONTROL_ENTRY_FIELDS = {
+    "history_ids": "history_rows",
+    "bias_ids": "bias_rows",
+    "bias_values": "bias_rows",
+    "bad_words": "bad_word_rows",
+}
+CONTROL_FIELDS = CONTROL_ROW_FIELDS + tuple(
+    dict.fromkeys([*CONTROL_ENTRY_FIELDS.values(), *CONTROL_ENTRY_FIELDS])
+)
+MATRIX_FIELDS = ("bad_words",)  # two-dimensional; every other field is (n,)
+
+
+def _field_array(name: str, value: np.ndarray) -> np.ndarray:
+    array = np.asarray(value)
+    if name not in MATRIX_FIELDS:
+        return array.reshape(-1)
+    return array if array.ndim == 2 else array.reshape(0, 0)
+
+
+OPTIONAL_BATCH_FIELDS = (
+    "return_log_probs",
+    "copy_src_slots",
+    "copy_dst_slots",
+    "copy_lengths",
+    *CONTROL_FIELDS,
+)
 
 
 @dataclass

@@ -124,7 +124,7 @@ def engine_batch(
     """One engine call's tensors for these rows (specdec/engines/wire.py)."""
     requests = [s.request for s in rows]
     copy_columns = np.array(copies, dtype=np.int32).reshape(-1, 3).T  # (3, C)
-    return EngineBatch(
+    batch = EngineBatch(
         input_ids=np.array([t for p in pending for t in p], dtype=np.int64),
         input_lengths=np.array([len(p) for p in pending], dtype=np.int32),
         slot_ids=np.array([s.slot for s in rows], dtype=np.int32),
@@ -143,3 +143,57 @@ def engine_batch(
         copy_dst_slots=copy_columns[1].copy(),
         copy_lengths=copy_columns[2].copy(),
     )
+    if any(r.has_logit_controls for r in requests):
+        add_logit_controls(batch, rows, cache_lengths)
+    return batch
+
+
+def add_logit_controls(
+    batch: EngineBatch, rows: list[SequenceState], cache_lengths: list[int]
+) -> None:
+    """Fills the batch's logit controls (specdec/engines/controls.py): each row's settings,
+    its biases (a one-token bad word: -inf), its longer bad words, and the tokens before its
+    cache length that they read. Nothing else carries a row's counts between calls."""
+    requests = [s.request for s in rows]
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
+        setattr(batch, name, np.array([getattr(r, name) for r in requests], dtype=np.float32))
+    batch.occurrence_start = np.array(
+        [min(r.prompt_ignore_length, len(r.prompt_ids)) for r in requests], dtype=np.int32
+    )
+    history: list[tuple[int, int]] = []  # (row, token)
+    biases: list[tuple[int, int, float]] = []  # (row, token, value)
+    words: list[tuple[int, list[int]]] = []  # (row, bad word)
+    for row, (sequence, cached) in enumerate(zip(rows, cache_lengths, strict=True)):
+        request = sequence.request
+        biases += [(row, token, value) for token, value in request.logit_bias.items()]
+        for word in request.bad_words_ids:
+            if len(word) == 1:
+                biases.append((row, word[0], float("-inf")))
+            else:
+                words.append((row, word))
+        first = history_start(request, cached)
+        history += [(row, token) for token in sequence.token_ids[first:cached]]
+    history_columns = np.array(history, dtype=np.int64).reshape(-1, 2).T
+    batch.history_rows = history_columns[0].astype(np.int32)
+    batch.history_ids = history_columns[1].astype(np.int32)
+    batch.bias_rows = np.array([b[0] for b in biases], dtype=np.int32)
+    batch.bias_ids = np.array([b[1] for b in biases], dtype=np.int32)
+    batch.bias_values = np.array([b[2] for b in biases], dtype=np.float32)
+    width = max((len(w) for _, w in words), default=0)
+    batch.bad_word_rows = np.array([row for row, _ in words], dtype=np.int32)
+    batch.bad_words = np.full((len(words), width), -1, dtype=np.int32)
+    for line, (_, word) in enumerate(words):
+        batch.bad_words[line, : len(word)] = word
+
+
+def history_start(request: GenerationRequest, cache_length: int) -> int:
+    """The first position of the tokens a call must send for the row's controls: all of them
+    for the repetition penalty, those from occurrence_start for presence and frequency, the
+    last (longest bad word - 1) for bad words."""
+    first = cache_length
+    if request.repetition_penalty != 1.0:
+        first = 0
+    elif request.presence_penalty != 0.0 or request.frequency_penalty != 0.0:
+        first = min(request.prompt_ignore_length, len(request.prompt_ids))
+    longest = max((len(w) for w in request.bad_words_ids), default=0)
+    return max(0, min(first, cache_length - longest + 1))

@@ -71,8 +71,14 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
-    presence_penalty: float | None = None  # only 0: the BLS refuses others by name
-    frequency_penalty: float | None = None
+    # Over the output tokens only, as OpenAI counts them (docs/api.md)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[int, float] | None = None  # token id -> [-100, 100], added to its logit
+    # extensions, as vLLM names them: over the prompt and the output; [0, 1]; never produced
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    bad_words: list[str] | None = None
     user: str | None = None  # the gateway keeps a user's requests on one replica
     num_draft_tokens: int | None = Field(None, ge=0)  # extension: 0 = no speculation
     stream_interval: int | None = Field(None, ge=1)  # extension: output tokens per chunk
@@ -135,10 +141,10 @@ def max_tokens_field(body: _Sampling) -> str:
 
 def triton_params(
     body: _Sampling, max_tokens: int, cache_salt: str | None = None
-) -> dict[str, int | float | str | list[str]]:
+) -> dict[str, int | float | str | list]:
     """The BLS's inputs (specdec.client.build_inputs) for one OpenAI request. `cache_salt`:
     what the API's keys make of the body's (never the body's own when keys are set)."""
-    params: dict[str, int | float | str | list[str] | None] = {
+    params: dict[str, int | float | str | list | None] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
@@ -150,13 +156,30 @@ def triton_params(
         "seed": body.seed,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_p": body.min_p,
         "num_draft_tokens": body.num_draft_tokens,
         "stream_interval": body.stream_interval,
         "cache_salt": cache_salt,
     }
     if body.stop_words:
         params["stop_words"] = body.stop_words
+    if body.presence_penalty or body.frequency_penalty:
+        params["prompt_ignore_length"] = OUTPUT_ONLY
+    if body.logit_bias:
+        params["logit_bias_ids"] = list(body.logit_bias)
+        params["logit_bias_values"] = list(body.logit_bias.values())
+    if body.bad_words:
+        # As vLLM: a word is never produced, with or without a space before it.
+        params["bad_words"] = list(
+            dict.fromkeys(w for word in body.bad_words for w in (word, " " + word.lstrip()))
+        )
     return {name: value for name, value in params.items() if value is not None}
+
+
+# prompt_ignore_length that leaves every prompt token out of presence and frequency: OpenAI
+# counts "how often a token appeared in the text so far", the generated text.
+OUTPUT_ONLY = 2**31 - 1
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -191,7 +214,13 @@ def validation_error(errors: list[dict]) -> ApiError:
 
 # Triton inputs whose OpenAI field has another name; text_input and max_tokens depend on the
 # endpoint and on the field the client used.
-OPENAI_NAME_OF_INPUT = {"num_return_sequences": "n", "stop_words": "stop", "random_seed": "seed"}
+OPENAI_NAME_OF_INPUT = {
+    "num_return_sequences": "n",
+    "stop_words": "stop",
+    "random_seed": "seed",
+    "logit_bias_ids": "logit_bias",
+    "logit_bias_values": "logit_bias",
+}
 OVERLOADED = ("queue full", "server is shutting down")
 
 

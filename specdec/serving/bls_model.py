@@ -175,6 +175,7 @@ class TritonPythonModel:
         self.timer = StepTimer(self.scheduler)  # books each step's whole cost
         self.max_return_sequences = self.config.num_slots  # more would never run at once
         self.inputs = input_names(args)
+        self.vocab_size = self.engines.target_engine.config.vocab_size
         self.metrics = LoopMetrics(
             args["model_name"], self.config.max_draft_tokens, self.config.num_slots
         )
@@ -284,6 +285,7 @@ class TritonPythonModel:
                     proposers=self.config.proposer_names,
                     max_return_sequences=self.max_return_sequences,
                     default_stream_interval=self.stream_interval,
+                    vocab_size=self.vocab_size,
                 )
                 with self.lock:
                     if self.stopping or self.drain_deadline is not None:

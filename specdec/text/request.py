@@ -21,12 +21,11 @@ class InvalidInput(ValueError):
 
 
 # TensorRT-LLM inputs we accept only at their neutral value: name -> neutral value.
-NEUTRAL_INPUTS: dict[str, float] = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "length_penalty": 1.0,
-}
+# (length_penalty scores beams: beam search is not served.)
+NEUTRAL_INPUTS: dict[str, float] = {"length_penalty": 1.0}
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+MAX_BIASES = 1024  # token biases per request (logit_bias, embedding_bias_words)
+MAX_BAD_WORDS = 256
 MAX_CACHE_SALT = 256  # characters of a cache_salt
 # Inputs whose feature is not implemented: they must be false or absent.
 UNSUPPORTED_FLAGS = (
@@ -48,6 +47,14 @@ class GenerationRequest:
     min_tokens: int = 0
     end_id: int = -1
     stop_words: list[str] = field(default_factory=list)
+    # Logit controls (specdec/engines/controls.py; docs/api.md says what each counts).
+    repetition_penalty: float = 1.0  # over the prompt and the output
+    presence_penalty: float = 0.0  # over the tokens after the first prompt_ignore_length
+    frequency_penalty: float = 0.0
+    prompt_ignore_length: int = 0  # prompt tokens presence and frequency do not count
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never produced
     num_draft_tokens: int | None = None  # the most draft tokens per step; None: the server's
     fixed_num_draft_tokens: bool = False  # True: exactly num_draft_tokens (benchmarks, tests)
     # The proposers it may use, of the server's (specdec/loop/proposers/); (): all of them.
@@ -68,6 +75,18 @@ class GenerationRequest:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether its logits are processed beyond temperature, top-k and top-p."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_p > 0.0
+            or bool(self.logit_bias)
+            or bool(self.bad_words_ids)
+        )
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, kind: type, default=None):
@@ -109,6 +128,20 @@ def _strings(inputs: dict[str, np.ndarray], name: str) -> list[str]:
     return words
 
 
+def _array(inputs: dict[str, np.ndarray], name: str, kind: type) -> np.ndarray:
+    """A [1, n] (or [n]) numeric input as a flat array; empty when absent."""
+    if name not in inputs:
+        return np.zeros(0, dtype=np.float64)
+    array = np.asarray(inputs[name])
+    wanted = np.integer if kind is int else np.floating
+    if not np.issubdtype(array.dtype, wanted):
+        expected = "an integer" if kind is int else "a float"
+        raise InvalidInput(name, f"expected {expected} tensor, got {array.dtype}")
+    if array.ndim > 2 or (array.ndim == 2 and array.shape[0] != 1):
+        raise InvalidInput(name, f"expected shape [1, n], got {list(array.shape)}")
+    return array.reshape(-1)
+
+
 def _first_of(inputs: dict[str, np.ndarray], names: tuple[str, ...], kind: type, default):
     for name in names:
         if name in inputs:
@@ -125,13 +158,15 @@ def parse_request(
     proposers: tuple[str, ...] = (),
     max_return_sequences: int = 64,
     default_stream_interval: int = 1,
+    vocab_size: int | None = None,
 ) -> GenerationRequest:
     """Builds a request from the input tensors of one prompt; raises InvalidInput naming
     the bad field.
 
     `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids;
     `proposers` are the ones this server runs (specdec/loop/proposers/): a request may pick
-    one of them; `default_stream_interval` is the server's for requests that send none.
+    one of them; `default_stream_interval` is the server's for requests that send none;
+    `vocab_size`, the target's, bounds the token ids a bias or a bad word may name.
     """
     prompt = None
     if "input_ids" in inputs:
@@ -236,8 +271,7 @@ def parse_request(
     for name in UNSUPPORTED_FLAGS:
         if _scalar(inputs, name, bool, False):
             raise InvalidInput(name, "not supported by this server")
-    if _strings(inputs, "bad_words"):
-        raise InvalidInput("bad_words", "not supported by this server")
+    controls = parse_logit_controls(inputs, tokenize, vocab_size, end_id, min_tokens)
 
     return GenerationRequest(
         prompt=prompt,
@@ -250,6 +284,7 @@ def parse_request(
         min_tokens=min_tokens,
         end_id=end_id,
         stop_words=_strings(inputs, "stop_words"),
+        **controls,
         num_draft_tokens=num_draft_tokens,
         fixed_num_draft_tokens=fixed,
         proposers=tuple(proposer),
@@ -263,6 +298,100 @@ def parse_request(
         return_num_input_tokens=_scalar(inputs, "return_num_input_tokens", bool, False),
         return_num_output_tokens=_scalar(inputs, "return_num_output_tokens", bool, False),
     )
+
+
+def parse_logit_controls(
+    inputs: dict[str, np.ndarray],
+    tokenize,
+    vocab_size: int | None,
+    end_id: int,
+    min_tokens: int,
+) -> dict:
+    """The request's logit controls as GenerationRequest fields; InvalidInput names a bad one.
+
+    embedding_bias_words and bad_words are text, tokenized as TensorRT-LLM's preprocessing
+    does (each word on its own, without special tokens): each token of a biased word gets its
+    weight; a bad word's token sequence is never produced."""
+    finite = {}
+    for name, neutral in (
+        ("repetition_penalty", 1.0),
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("min_p", 0.0),
+    ):
+        value = _scalar(inputs, name, float, neutral)
+        if not math.isfinite(value):
+            raise InvalidInput(name, f"must be a finite number, got {value}")
+        finite[name] = value
+    if finite["repetition_penalty"] <= 0:
+        raise InvalidInput(
+            "repetition_penalty", f"must be > 0 (1: off), got {finite['repetition_penalty']}"
+        )
+    if not 0 <= finite["min_p"] <= 1:
+        raise InvalidInput("min_p", f"must be in [0, 1], got {finite['min_p']}")
+    prompt_ignore_length = _scalar(inputs, "prompt_ignore_length", int, 0)
+    if prompt_ignore_length < 0:
+        raise InvalidInput("prompt_ignore_length", f"must be >= 0, got {prompt_ignore_length}")
+
+    bias: dict[int, float] = {}
+    ids = _array(inputs, "logit_bias_ids", int)
+    values = _array(inputs, "logit_bias_values", float)
+    if len(ids) != len(values):
+        raise InvalidInput(
+            "logit_bias_values", f"{len(values)} values for {len(ids)} logit_bias_ids"
+        )
+    for token, value in zip(ids.tolist(), values.tolist(), strict=True):
+        _check_token("logit_bias_ids", token, vocab_size)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidInput(
+                "logit_bias_values", f"must be in [-100, 100], got {value} for token {token}"
+            )
+        bias[int(token)] = bias.get(int(token), 0.0) + float(value)
+    words = _strings(inputs, "embedding_bias_words")
+    weights = _array(inputs, "embedding_bias_weights", float)
+    if len(words) != len(weights):
+        raise InvalidInput(
+            "embedding_bias_weights", f"{len(weights)} weights for {len(words)} words"
+        )
+    for word, weight in zip(words, weights.tolist(), strict=True):
+        if not math.isfinite(weight):
+            raise InvalidInput("embedding_bias_weights", f"must be finite, got {weight}")
+        for token in _word_tokens(tokenize, word):
+            bias[token] = bias.get(token, 0.0) + float(weight)
+    if len(bias) > MAX_BIASES:
+        raise InvalidInput("logit_bias_ids", f"at most {MAX_BIASES} tokens, got {len(bias)}")
+
+    bad_words = _strings(inputs, "bad_words")
+    if len(bad_words) > MAX_BAD_WORDS:
+        raise InvalidInput("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(bad_words)}")
+    bad_words_ids = [_word_tokens(tokenize, word) for word in bad_words]
+    for word_ids in bad_words_ids:
+        for token in word_ids:
+            _check_token("bad_words", token, vocab_size)
+    banned = {w[0] for w in bad_words_ids if len(w) == 1}
+    if min_tokens > 0 and end_id >= 0:
+        banned.add(end_id)  # not at first either
+    if vocab_size is not None and len(banned) >= vocab_size:
+        raise InvalidInput("bad_words", "they ban every token: none is left to choose")
+    return dict(
+        **finite,
+        prompt_ignore_length=prompt_ignore_length,
+        logit_bias={t: v for t, v in bias.items() if v != 0.0},
+        bad_words_ids=[w for w in bad_words_ids if w],
+    )
+
+
+def _check_token(name: str, token: int, vocab_size: int | None) -> None:
+    if token < 0 or (vocab_size is not None and token >= vocab_size):
+        raise InvalidInput(
+            name, f"token id {token} is outside the vocabulary of {vocab_size} tokens"
+        )
+
+
+def _word_tokens(tokenize, word: str) -> list[int]:
+    """A word's tokens as TensorRT-LLM's preprocessing makes them: the word alone, without
+    the special tokens (a BOS) the tokenizer would put around a prompt."""
+    return [int(t) for t in tokenize(word, add_special_tokens=False)]
 
 
 def batch_size(inputs: dict[str, np.ndarray]) -> int:

@@ -14,8 +14,8 @@ class TextTokenizer:
         self._tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
         self.eos_token_id: int = self._tokenizer.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer(text)["input_ids"]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text = self._tokenizer.decode(list(token_ids), skip_special_tokens=True)

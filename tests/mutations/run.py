@@ -65,8 +65,8 @@ MUTANTS = [
         "target-noise-position",
         "the target keys a token's noise by the position before it (the draft does not)",
         "specdec/engines/calls.py",
-        "fed[rows] + steps + 1, True)",
-        "fed[rows] + steps, True)",
+        "positions = fed[rows] + steps + 1",
+        "positions = fed[rows] + steps",
         tests=(*REAL,),
     ),
     Mutant(
@@ -196,6 +196,23 @@ MUTANTS = [
         "                index.remove(text, end)",
         "                pass",
         tests=("tests/test_suffix.py",),
+    ),
+    Mutant(
+        "control-misses-proposals",
+        "a penalty at a verified position counts the row's cache and pending token but not the"
+        " proposals before that position",
+        "specdec/engines/controls.py",
+        "written(row)[: position - cache_length]",
+        "written(row)[: min(position - cache_length, 1)]",
+        tests=("tests/test_controls.py",),
+    ),
+    Mutant(
+        "control-counts-own-token",
+        "a penalty at a verified position counts the token at that position too",
+        "specdec/engines/controls.py",
+        "written(row)[: position - cache_length]",
+        "written(row)[: position - cache_length + 1]",
+        tests=("tests/test_controls.py",),
     ),
     Mutant(
         "stop-word-lookback-short",
