@@ -8,7 +8,6 @@ import pytest
 from specdec.loop.proposers import PROPOSERS
 from specdec.text.request import InvalidInput, parse_request, parse_requests, split_rows
 
-
 VOCAB_SIZE = 300
 
 
