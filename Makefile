@@ -20,7 +20,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-draft bench-overhead loadtest soak clean
+.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-controls bench-draft bench-overhead loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -109,6 +109,17 @@ bench: models
 	$(PY) loadtest/bench.py --name bench-float32 $(BENCH_ARGS) --server-env DTYPE=float32
 	$(PY) loadtest/bench.py --name bench-bfloat16 $(BENCH_ARGS) --server-env DTYPE=bfloat16 \
 		--float32-concurrency 32
+
+# Sampling controls (issue 50): rows with presence and frequency penalties (over the output,
+# as OpenAI counts them) and rows with penalties too small to change the text (the controls'
+# cost alone) beside the same rows without, at k = 0 and adaptive, with k = 0 again for the
+# noise floor, on one server (loadtest/common.py, CONTROLS).
+CONTROLS_PRECISION ?= bfloat16
+CONTROLS_MODES ?= k0,k0-penalized,k0-controlcost,adaptive,adaptive-penalized,adaptive-controlcost,k0-again
+bench-controls: models
+	$(PY) loadtest/bench.py --name bench-controls-$(CONTROLS_PRECISION) --workloads chat,grounded \
+		--modes $(CONTROLS_MODES) --concurrency 1,16 \
+		--max-tokens 128 --level-seconds 15 --server-env DTYPE=$(CONTROLS_PRECISION)
 
 # Prefix reuse (issue 31): the workloads whose prompts share prefixes (shared-prefix: one
 # system text of about 1,000 tokens before each question; multi-turn: conversations resent

@@ -15,9 +15,10 @@ twice in a run). Modes: k0 (no speculation), draft, ngram and suffix (one propos
 chosen by the server; suffix needs a server with PROPOSERS=...,suffix), adaptive (the
 server's choice of proposer and k per row), adaptive-nosuffix (the same among draft_model
 and ngram), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
-Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy) and `-si<N>` (the
-request's stream_interval: a response each time N output tokens have gathered), in that
-order, e.g. `k4-sampled-si16`; each is compared with k0 of the same suffixes where the run
+Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy), one of
+`-penalized`, `-penalized-prompt` and `-controlcost` (presence and frequency penalties:
+common.CONTROLS) and `-si<N>` (the request's stream_interval: a response each time N output
+tokens have gathered), in that order, e.g. `k4-sampled-si16`; each is compared with k0 of the same suffixes where the run
 has it (`make bench-overhead` runs them).
 
 At each concurrency level the modes take turns in two windows each, in mirrored order (k0
@@ -139,7 +140,7 @@ class BenchConfig:
         if unknown:
             raise ValueError(
                 f"--modes: unknown {', '.join(unknown)}; of {', '.join(MODES)}, each optionally "
-                "followed by -sampled and -si<N>"
+                "followed by -sampled, -penalized[-prompt] or -controlcost, and -si<N>"
             )
         if not self.workloads or [w for w in self.workloads if w not in WORKLOAD_NAMES]:
             raise ValueError(f"--workloads: of {', '.join(WORKLOAD_NAMES)}")
@@ -811,7 +812,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default="k0,adaptive,k0-again",
         help=f"comma-separated, of {', '.join(MODES)}; each optionally with -sampled "
-        "(temperature 0.8) and -si<N> (stream_interval N), e.g. k4-sampled-si16",
+        "(temperature 0.8), -penalized, -penalized-prompt or -controlcost (common.CONTROLS) "
+        "and -si<N> "
+        "(stream_interval N), e.g. k4-sampled-si16",
     )
     parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOAD_NAMES)}")
     parser.add_argument("--concurrency", default="1,4,16,64", help="'': no levels of the modes")

@@ -67,14 +67,32 @@ def unknown_modes(modes: list[str]) -> list[str]:
 
 
 # A mode's variants (bench.py): `-sampled` samples at this temperature instead of greedy;
+# `-penalized` sends presence and frequency penalties of 0.5 counted over the output, as the
+# OpenAI API counts them; `-penalized-prompt` the same over the prompt and the output
+# (TensorRT-LLM's default); `-controlcost` penalties too small to change a greedy answer,
+# counted over both: all of the controls' work on the same text, so only their cost shows;
 # `-si<N>` sets the request's stream_interval (a response each time N output tokens gathered).
 SAMPLED_TEMPERATURE = 0.8
-VARIANT = re.compile(r"(?P<base>.+?)(?P<sampled>-sampled)?(?:-si(?P<interval>[1-9][0-9]*))?")
+OUTPUT_ONLY = 2**31 - 1  # prompt_ignore_length past any prompt
+CONTROLS = {
+    "-penalized": {
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "prompt_ignore_length": OUTPUT_ONLY,
+    },
+    "-penalized-prompt": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "-controlcost": {"presence_penalty": 1e-4, "frequency_penalty": 1e-4},
+}
+VARIANT = re.compile(
+    r"(?P<base>.+?)(?P<sampled>-sampled)?(?P<controls>-penalized-prompt|-penalized|-controlcost)?"
+    r"(?:-si(?P<interval>[1-9][0-9]*))?"
+)
 
 
 def mode_inputs(name: str) -> dict:
     """The request inputs of a MODES name with optional variant suffixes, in this order:
-    `k4-sampled-si16` is k4 at temperature 0.8 with a response every 16 output tokens.
+    `k4-sampled-si16` is k4 at temperature 0.8 with a response every 16 output tokens;
+    `adaptive-penalized` is adaptive with CONTROLS["-penalized"].
     stream_interval is sent only when it is not 1 (a server without it still serves the
     rest). Raises KeyError for a name that is none of these."""
     match = VARIANT.fullmatch(name)
@@ -83,6 +101,8 @@ def mode_inputs(name: str) -> dict:
     inputs = dict(MODES[match["base"]])
     if match["sampled"]:
         inputs["temperature"] = SAMPLED_TEMPERATURE
+    if match["controls"]:
+        inputs.update(CONTROLS[match["controls"]])
     if match["interval"] and int(match["interval"]) != 1:
         inputs["stream_interval"] = int(match["interval"])
     return inputs

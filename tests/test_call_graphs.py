@@ -451,6 +451,32 @@ def test_prefill_and_log_prob_rows_run_eagerly_beside_the_padded_rows(target, mo
     assert same_writes
 
 
+def test_rows_with_logit_controls_run_eagerly_beside_the_padded_rows(target, monkeypatch):
+    """A verify whose second row has logit controls (a repetition penalty, min_p, a banned
+    token): it runs eagerly (its processing depends on its history), the others padded, merged
+    in row order: the eager call's tokens."""
+    batch = make_batch([(5, 3, 3, {}), (6, 2, 2, SAMPLED), (0, 4, 4, {})])
+    batch.repetition_penalty = np.array([1.0, 1.5, 1.0], dtype=np.float32)
+    batch.presence_penalty = batch.frequency_penalty = np.zeros(3, dtype=np.float32)
+    batch.occurrence_start = np.zeros(3, dtype=np.int32)
+    batch.min_p = np.array([0.0, 0.1, 0.0], dtype=np.float32)
+    batch.history_rows = np.array([1, 1], dtype=np.int32)
+    batch.history_ids = np.array([7, 9], dtype=np.int32)
+    batch.bias_rows, batch.bias_ids = np.array([1], dtype=np.int32), np.array([3], np.int32)
+    batch.bias_values = np.array([-np.inf], dtype=np.float32)
+    padded_rows: list[int] = []
+    real_run = CallGraphs.run
+
+    def counting(self, role, part):
+        padded_rows.append(len(part.slot_ids))
+        return real_run(self, role, part)
+
+    monkeypatch.setattr(CallGraphs, "run", counting)
+    eager, padded, *_, same_writes = padded_against_eager(target, batch, "target", monkeypatch)
+    assert padded_rows == [2]
+    assert np.array_equal(padded.token_ids, eager.token_ids) and same_writes
+
+
 def loop_outputs(target: LlamaEngine, draft: LlamaEngine) -> list[tuple[list[int], int]]:
     """Three requests (model draft k = 4, prompt lookup k = 8; greedy and one sampled)
     decoded by the loop over the engines, no Triton between: each one's tokens and

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -307,14 +308,16 @@ def real_controls(tokenizer) -> dict[str, dict]:
 
 class PresenceFrequency:
     """transformers has no presence or frequency penalty: a LogitsProcessor for it, over the
-    prompt and the output (TensorRT-LLM's default, prompt_ignore_length 0)."""
+    prompt and the output (TensorRT-LLM's default, prompt_ignore_length 0), or over the
+    tokens after the first `ignored` (OpenAI's: the output only)."""
 
-    def __init__(self, presence: float, frequency: float) -> None:
-        self.presence, self.frequency = presence, frequency
+    def __init__(self, presence: float, frequency: float, ignored: int = 0) -> None:
+        self.presence, self.frequency, self.ignored = presence, frequency, ignored
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counted = input_ids[:, self.ignored :]
         counts = torch.zeros_like(scores).scatter_add_(
-            1, input_ids, torch.ones_like(input_ids, dtype=scores.dtype)
+            1, counted, torch.ones_like(counted, dtype=scores.dtype)
         )
         return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
 
@@ -333,8 +336,13 @@ def hf_reference(hf_target, prompt_ids: list[int], controls: dict, end_id: int) 
     if "bad_words_ids" in controls:
         kw["bad_words_ids"] = controls["bad_words_ids"]
     if "presence_penalty" in controls:
+        ignored = min(controls.get("prompt_ignore_length", 0), len(prompt_ids))
         kw["logits_processor"] = LogitsProcessorList(
-            [PresenceFrequency(controls["presence_penalty"], controls["frequency_penalty"])]
+            [
+                PresenceFrequency(
+                    controls["presence_penalty"], controls["frequency_penalty"], ignored
+                )
+            ]
         )
     if "min_p" in controls:
         kw["min_p"] = controls["min_p"]  # greedy: the argmax always stays
@@ -359,16 +367,12 @@ def real(target_dir):
     return tokenizer, engines
 
 
-def real_scheduler(engines: LocalEngines, tokenizer) -> SpeculativeScheduler:
-    config = SchedulerConfig(
-        NUM_SLOTS,
-        MAX_CONTEXT,
-        max_draft_tokens=8,
-        default_draft_tokens=None,
-        max_queue=256,
-        proposer_names=("draft_model", "ngram", "suffix"),
-    )
-    return SpeculativeScheduler(engines, config, tokenizer.decode)
+def real_scheduler(engines: LocalEngines, tokenizer, **config) -> SpeculativeScheduler:
+    """The real engines' loop with every proposer (and `config`'s other settings)."""
+    proposers = ("draft_model", "ngram", "suffix")
+    settings = dict(max_draft_tokens=8, default_draft_tokens=None, max_queue=256, **config)
+    loop_config = SchedulerConfig(NUM_SLOTS, MAX_CONTEXT, proposer_names=proposers, **settings)
+    return SpeculativeScheduler(engines, loop_config, tokenizer.decode)
 
 
 def real_request(tokenizer, **kw) -> GenerationRequest:
@@ -439,3 +443,85 @@ def test_bfloat16_with_controls_parts_from_plain_decoding_only_at_near_ties(real
         processed = reference_logits(logits, before, sequences[0].request)
         top2 = processed.topk(2).values
         assert float(top2[0] - top2[1]) < TIE_MARGIN, (first, top2)
+
+
+def test_counts_follow_prefix_reuse_copies_chunked_prefill_and_cancellation(real, hf_target):
+    """float32, with penalties that count the prompt and a bad word of two tokens: a prompt
+    prefilled in chunks of 16; two return sequences (the second's prompt cache is copied);
+    a controlled row cancelled mid-way beside them; then the same prompt again (its prefix
+    reused from the cache). Every row that finishes gives transformers' tokens."""
+    tokenizer, engines = real
+    scheduler = real_scheduler(
+        engines[torch.float32], tokenizer, prefix_min_tokens=16, prefill_chunk=16
+    )
+    text = (
+        "<|im_start|>user\nHere is a list: apples, pears, plums, apples, pears, plums, "
+        "apples, cherries, pears, figs. Repeat the list twice, then count the apples."
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer.encode(text)
+    assert len(ids) > 3 * 16  # several chunks
+    pears = tokenizer.encode(" pears,", add_special_tokens=False)
+    assert len(pears) == 2
+    controls = dict(
+        repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3, bad_words_ids=[pears]
+    )
+
+    def request(**kw) -> GenerationRequest:
+        return GenerationRequest(
+            prompt=None,
+            prompt_ids=ids,
+            max_tokens=MAX_TOKENS,
+            end_id=tokenizer.eos_token_id,
+            **controls,
+            **kw,
+        )
+
+    twins = scheduler.submit_all([request(num_return_sequences=2, **SPECULATION["k4"])])
+    victim = scheduler.submit(request(**SPECULATION["ngram-k8"]))
+    for _ in range(3):
+        scheduler.step()
+    assert not victim.finished and victim.num_output_tokens > 0
+    scheduler.cancel(victim)
+    run_all(scheduler)
+    again = scheduler.submit(request(**SPECULATION["ngram-k8"]))
+    run_all(scheduler)
+    expected = hf_reference(hf_target, ids, controls, tokenizer.eos_token_id)
+    plain = hf_reference(hf_target, ids, {}, tokenizer.eos_token_id)
+    assert expected != plain
+    assert victim.finish_reason == "cancelled"
+    assert [output_of(s) for s in [*twins, again]] == [expected] * 3
+    assert twins[1].num_copied_positions > 0 and again.num_copied_positions > 0
+
+
+def test_the_controls_cross_the_wire_and_follow_a_split_call():
+    """encode_call / decode_call keep every control field (the bad words' matrix too), and a
+    call's rows taken apart (select_rows, as a split call does) keep their own controls with
+    their row numbers remapped."""
+    from specdec.engines.calls import select_rows
+    from specdec.engines.wire import CONTROL_FIELDS, decode_call, encode_call
+
+    rows = [
+        sequence_of(scripted_request([1, 2, 3], repetition_penalty=1.5), [4], 0),
+        sequence_of(scripted_request([5, 5]), [], 1),
+        sequence_of(
+            scripted_request([2, 2, 2], logit_bias={1: 2.0}, bad_words_ids=[[3], [1, 4, 2]]),
+            [0, 1],
+            2,
+        ),
+    ]
+    batch = engine_batch(rows, [[4], [5, 5], [1]], [3, 0, 4], [1, 1, 1])
+    _, decoded = decode_call(encode_call("target", batch))
+    for name in CONTROL_FIELDS:
+        assert np.array_equal(getattr(decoded, name), getattr(batch, name)), name
+    assert decoded.bad_words.tolist() == [[1, 4, 2]]
+    assert batch.has_controls().tolist() == [True, False, True]
+    part = select_rows(batch, np.array([2, 0]))
+    assert part.has_controls().tolist() == [True, True]
+    assert part.repetition_penalty.tolist() == [1.0, 1.5]
+    # row 0's whole cache (repetition), row 2's last two tokens (a bad word of three)
+    assert part.history_rows.tolist() == [1, 1, 1, 0, 0]
+    assert part.history_ids.tolist() == [1, 2, 3, 2, 0]
+    biases = zip(part.bias_rows.tolist(), part.bias_ids.tolist(), strict=True)
+    assert sorted(biases) == [(0, 1), (0, 3)]
+    assert part.bad_word_rows.tolist() == [0] and part.bad_words.tolist() == [[1, 4, 2]]

@@ -280,3 +280,36 @@ def test_genai_perf_chat_endpoint(api, tmp_path):
         sent = json.loads(request["request_inputs"]["payload"])
         assert sent["stream"] is True and sent["max_tokens"] == 8
         assert request["response_outputs"][-1]["response"].strip() == "data: [DONE]"
+
+
+def test_penalties_and_logit_bias_count_the_output_as_openai_does(client, target_dir, hf_target):
+    """presence_penalty and frequency_penalty over the output only, logit_bias by token id:
+    transformers' greedy text with the same processing, speculating (adaptive) or not."""
+    from test_controls import MAX_TOKENS, hf_reference
+
+    tokenizer = hf_target[0]
+    question = "List the days of the week, twice."
+    prompt_ids = tokenizer(chat_prompt(target_dir, question)).input_ids
+    python = tokenizer(" Python", add_special_tokens=False).input_ids[0]
+    controls = dict(presence_penalty=1.0, frequency_penalty=0.8, logit_bias={str(python): -5})
+    reference = dict(
+        presence_penalty=1.0,
+        frequency_penalty=0.8,
+        prompt_ignore_length=len(prompt_ids),
+        logit_bias={python: -5.0},
+    )
+    tokens = hf_reference(hf_target, prompt_ids, reference, tokenizer.eos_token_id)
+    expected = tokenizer.decode(tokens, skip_special_tokens=True)
+    plain = hf_reference(hf_target, prompt_ids, {}, tokenizer.eos_token_id)
+    assert tokens != plain
+    messages = [{"role": "user", "content": question}]
+    for extra in ({}, {"num_draft_tokens": 0}):
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body=extra,
+            **controls,
+        )
+        assert answer.choices[0].message.content == expected, extra

@@ -237,3 +237,68 @@ def test_overload_is_refused_at_once_and_queued_requests_complete(self_draft_ser
         assert not result.chunks
     assert len(served) >= 12
     assert all(r.text for r in served)
+
+
+# The ensemble's logit controls (TensorRT-LLM's inputs, specdec/engines/controls.py) and what
+# transformers does with the same processing (tests/test_controls.py holds the reference).
+CONTROL_PROMPT = (
+    "<|im_start|>user\nList the days of the week, twice.<|im_end|>\n<|im_start|>assistant\n"
+)
+SERVED_CONTROLS = {  # plain decoding answers "Here's a Python function that uses ..."
+    "repetition": dict(repetition_penalty=1.3),
+    "presence-frequency": dict(presence_penalty=0.8, frequency_penalty=0.5),
+    "embedding-bias": dict(embedding_bias_words=[" Python"], embedding_bias_weights=[-6.0]),
+    "bad-words": dict(bad_words=[" function that"]),
+}
+
+
+def test_each_control_through_the_ensemble_equals_transformers_at_every_k(server, hf_target):
+    """Every control at k = 0, 1, 4 and 8 (the draft model) and with prompt lookup and the
+    suffix store at k = 8, all at once beside rows without controls: transformers' text with
+    the same processing. A bias on a token outside the vocabulary is refused by name while
+    the others run."""
+    from test_controls import MAX_TOKENS, hf_reference
+
+    tokenizer = hf_target[0]
+    prompt_ids = tokenizer(CONTROL_PROMPT).input_ids
+    python = tokenizer(" Python", add_special_tokens=False).input_ids
+    function_that = tokenizer(" function that", add_special_tokens=False).input_ids
+    speculation = [dict(num_draft_tokens=0)] + [
+        dict(num_draft_tokens=k, fixed_num_draft_tokens=True, proposer=proposer)
+        for k, proposer in (
+            (1, "draft_model"),
+            (4, "draft_model"),
+            (8, "draft_model"),
+            (8, "ngram"),
+            (8, "suffix"),
+        )
+    ]
+    common = dict(max_tokens=MAX_TOKENS, exclude_input_in_output=True)
+    jobs = [
+        (CONTROL_PROMPT, {**common, **inputs, **how})
+        for inputs in SERVED_CONTROLS.values()
+        for how in speculation
+    ]
+    jobs += [(CONTROL_PROMPT, {**common, **speculation[3]})] * 2  # no controls
+    bad = dict(logit_bias_ids=[10**6], logit_bias_values=[1.0])
+    jobs.append((CONTROL_PROMPT, {**common, **bad}))
+    results = run_concurrently(server.url, "ensemble", jobs)
+    assert results[-1].error is not None and "logit_bias_ids" in results[-1].error
+    results = results[:-1]
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    references = {
+        "repetition": {"repetition_penalty": 1.3},
+        "presence-frequency": {"presence_penalty": 0.8, "frequency_penalty": 0.5},
+        "embedding-bias": {"logit_bias": {python[0]: -6.0}},
+        "bad-words": {"bad_words_ids": [function_that]},
+    }
+    plain = tokenizer.decode(
+        hf_reference(hf_target, prompt_ids, {}, tokenizer.eos_token_id), skip_special_tokens=True
+    )
+    assert [r.text for r in results[-2:]] == [plain, plain]
+    for i, name in enumerate(SERVED_CONTROLS):
+        tokens = hf_reference(hf_target, prompt_ids, references[name], tokenizer.eos_token_id)
+        expected = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert expected != plain, name
+        texts = [r.text for r in results[i * len(speculation) : (i + 1) * len(speculation)]]
+        assert texts == [expected] * len(speculation), name

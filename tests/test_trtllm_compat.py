@@ -304,6 +304,9 @@ def test_sampled_log_probs_are_those_of_the_distribution_sampled_from(server):
         ({"return_context_logits": True}, "return_context_logits"),
         ({"return_generation_logits": True}, "return_generation_logits"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"length_penalty": 1.5}, "length_penalty"),
     ],
 )
 @pytest.mark.parametrize("model", ["ensemble", "speculative_decoding"])
@@ -344,3 +347,25 @@ def test_the_stream_client_prints_every_sequence_with_its_log_probs(server):
     )
     assert [h[0] for h in headers] == ["0", "1"], run.stdout
     assert all(int(tokens) > 0 and float(value) < 0 for _, tokens, value in headers)
+
+
+def test_penalties_sent_as_its_client_sends_them_apply_to_each_prompt(server):
+    """repetition, presence and frequency penalties as [B, 1] FP32 beside three prompts (its
+    client's --batch-inputs): each prompt's text is what it gets alone with the same
+    penalties, and differs from its text without them."""
+    penalties = dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.4)
+    responses = infer(
+        server.url,
+        PROMPTS,
+        ["text_output", "batch_index"],
+        max_tokens=24,
+        exclude_input_in_output=True,
+        **penalties,
+    )
+    texts = texts_by_index(responses, streaming=False)
+    for index, prompt in enumerate(PROMPTS):
+        alone = generate(
+            prompt, url=server.url, max_tokens=24, exclude_input_in_output=True, **penalties
+        )
+        assert alone.error is None and texts[index, 0] == alone.text
+    assert any(texts[i, 0] != greedy_alone(server.url, p, 24) for i, p in enumerate(PROMPTS))

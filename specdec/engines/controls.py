@@ -52,11 +52,12 @@ class LogitControls:
 
 
 def apply_controls(logits: torch.Tensor, controls: LogitControls | None) -> torch.Tensor:
-    """(N, V) float32 logits -> the same with each controlled row processed (a new tensor
-    where a row is controlled; `logits` itself otherwise)."""
+    """(N, V) logits -> float32 logits with each controlled row processed. The call's own
+    float32 logits are changed in place (copying a verify's would cost more than the work)."""
     if controls is None:
         return logits
-    rows = logits[controls.rows].float()  # (R, V), a copy
+    logits = logits.float()
+    rows = logits[controls.rows]  # (R, V), a copy
     rows.scatter_add_(1, controls.bias_ids, controls.bias_values)
     if controls.token_ids.shape[1]:
         seen = rows.gather(1, controls.token_ids)  # (R, U)
@@ -67,9 +68,8 @@ def apply_controls(logits: torch.Tensor, controls: LogitControls | None) -> torc
         seen = seen - controls.presence[:, None] * (occurrences > 0).float()
         seen = seen - controls.frequency[:, None] * occurrences
         rows.scatter_(1, controls.token_ids, seen)
-    processed = logits.float().clone()
-    processed[controls.rows] = rows
-    return processed
+    logits[controls.rows] = rows
+    return logits
 
 
 class CallControls:
