@@ -460,7 +460,7 @@ def test_counts_follow_prefix_reuse_copies_chunked_prefill_and_cancellation(real
         "<|im_end|>\n<|im_start|>assistant\n"
     )
     ids = tokenizer.encode(text)
-    assert len(ids) > 3 * 16  # several chunks
+    assert len(ids) > 2 * 16  # three chunks
     pears = tokenizer.encode(" pears,", add_special_tokens=False)
     assert len(pears) == 2
     controls = dict(
@@ -479,9 +479,11 @@ def test_counts_follow_prefix_reuse_copies_chunked_prefill_and_cancellation(real
 
     twins = scheduler.submit_all([request(num_return_sequences=2, **SPECULATION["k4"])])
     victim = scheduler.submit(request(**SPECULATION["ngram-k8"]))
-    for _ in range(3):
+    for _ in range(50):  # prefill in chunks, then a few tokens
+        if victim.num_output_tokens >= 3:
+            break
         scheduler.step()
-    assert not victim.finished and victim.num_output_tokens > 0
+    assert not victim.finished and victim.num_output_tokens >= 3
     scheduler.cancel(victim)
     run_all(scheduler)
     again = scheduler.submit(request(**SPECULATION["ngram-k8"]))

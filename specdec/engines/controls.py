@@ -51,6 +51,7 @@ class LogitControls:
     bias_values: torch.Tensor  # (R, P) float32 (padding: 0)
 
 
+@torch.inference_mode()  # engines' logits are inference tensors: changed in place here
 def apply_controls(logits: torch.Tensor, controls: LogitControls | None) -> torch.Tensor:
     """(N, V) logits -> float32 logits with each controlled row processed. The call's own
     float32 logits are changed in place (copying a verify's would cost more than the work)."""
