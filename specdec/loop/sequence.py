@@ -160,7 +160,7 @@ def add_logit_controls(
     batch.occurrence_start = np.array(
         [min(r.prompt_ignore_length, len(r.prompt_ids)) for r in requests], dtype=np.int32
     )
-    history: list[tuple[int, int]] = []  # (row, token)
+    history: list[np.ndarray] = []  # per row: the tokens its controls read
     biases: list[tuple[int, int, float]] = []  # (row, token, value)
     words: list[tuple[int, list[int]]] = []  # (row, bad word)
     for row, (sequence, cached) in enumerate(zip(rows, cache_lengths, strict=True)):
@@ -172,10 +172,10 @@ def add_logit_controls(
             else:
                 words.append((row, word))
         first = history_start(request, cached)
-        history += [(row, token) for token in sequence.token_ids[first:cached]]
-    history_columns = np.array(history, dtype=np.int64).reshape(-1, 2).T
-    batch.history_rows = history_columns[0].astype(np.int32)
-    batch.history_ids = history_columns[1].astype(np.int32)
+        history.append(np.array(sequence.token_ids[first:cached], dtype=np.int32))
+    lengths = [len(tokens) for tokens in history]
+    batch.history_rows = np.repeat(np.arange(len(rows), dtype=np.int32), lengths)
+    batch.history_ids = np.concatenate(history) if history else np.zeros(0, dtype=np.int32)
     batch.bias_rows = np.array([b[0] for b in biases], dtype=np.int32)
     batch.bias_ids = np.array([b[1] for b in biases], dtype=np.int32)
     batch.bias_values = np.array([b[2] for b in biases], dtype=np.float32)
