@@ -18,8 +18,8 @@ and ngram), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
 Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy), one of
 `-penalized`, `-penalized-prompt` and `-controlcost` (presence and frequency penalties:
 common.CONTROLS) and `-si<N>` (the request's stream_interval: a response each time N output
-tokens have gathered), in that order, e.g. `k4-sampled-si16`; each is compared with k0 of the same suffixes where the run
-has it (`make bench-overhead` runs them).
+tokens have gathered), in that order, e.g. `k4-sampled-si16`; each is compared with k0 of
+the same suffixes where the run has it (`make bench-overhead` runs them).
 
 At each concurrency level the modes take turns in two windows each, in mirrored order (k0
 k2 k4 adaptive adaptive k4 k2 k0, reversed at the next level), so that drift in the
