@@ -17,6 +17,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
@@ -538,7 +539,9 @@ def test_the_bls_builds_its_loop_from_its_settings(
         parameters = render_parameters(tmp_path, env, "speculative_decoding")
     bls_model = glue("bls_model")
     made: list[dict] = []  # the engines are another test's subject (above)
-    monkeypatch.setattr(bls_model, "create_engines", made.append)
+    # What the BLS reads of its engines: the target's vocabulary size (it bounds a bias).
+    engines = SimpleNamespace(target_engine=SimpleNamespace(config=SimpleNamespace(vocab_size=8)))
+    monkeypatch.setattr(bls_model, "create_engines", lambda p: made.append(p) or engines)
     model = bls_model.TritonPythonModel()
     model.initialize(model_args("speculative_decoding", parameters))
     try:
