@@ -115,11 +115,12 @@ bench: models
 # cost alone) beside the same rows without, at k = 0 and adaptive, with k = 0 again for the
 # noise floor, on one server (loadtest/common.py, CONTROLS).
 CONTROLS_PRECISION ?= bfloat16
+CONTROLS_LEVEL_SECONDS ?= 30
 CONTROLS_MODES ?= k0,k0-penalized,k0-controlcost,adaptive,adaptive-penalized,adaptive-controlcost,k0-again
 bench-controls: models
 	$(PY) loadtest/bench.py --name bench-controls-$(CONTROLS_PRECISION) --workloads chat,grounded \
 		--modes $(CONTROLS_MODES) --concurrency 1,16 \
-		--max-tokens 128 --level-seconds 15 --server-env DTYPE=$(CONTROLS_PRECISION)
+		--max-tokens 128 --level-seconds $(CONTROLS_LEVEL_SECONDS) --server-env DTYPE=$(CONTROLS_PRECISION)
 
 # Prefix reuse (issue 31): the workloads whose prompts share prefixes (shared-prefix: one
 # system text of about 1,000 tokens before each question; multi-turn: conversations resent
