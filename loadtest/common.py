@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from specdec.client import scrape_metrics
 from specdec.paths import PROJECT_ROOT
 from specdec.serving.metric_names import LOOP_PARTS, OUTBOX_SECONDS
+from specdec.text.request import OUTPUT_ONLY
 
 if TYPE_CHECKING:
     from walks import Workload
@@ -73,7 +74,6 @@ def unknown_modes(modes: list[str]) -> list[str]:
 # counted over both: all of the controls' work on the same text, so only their cost shows;
 # `-si<N>` sets the request's stream_interval (a response each time N output tokens gathered).
 SAMPLED_TEMPERATURE = 0.8
-OUTPUT_ONLY = 2**31 - 1  # prompt_ignore_length past any prompt
 CONTROLS = {
     "-penalized": {
         "presence_penalty": 0.5,

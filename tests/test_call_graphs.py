@@ -429,13 +429,8 @@ def test_the_device_read_spy_sees_a_read_in_the_padded_call(draft, monkeypatch):
 # -- splitting a call; the loop ------------------------------------------------------------
 
 
-def test_prefill_and_log_prob_rows_run_eagerly_beside_the_padded_rows(target, monkeypatch):
-    """A verify with a prefill row (more than MAX_BATCHED_QUERY tokens) and a row asking for
-    log-probabilities: those run eagerly, the others padded, merged in row order: the
-    eager call's tokens and log-probabilities."""
-    rows = [(5, 3, 3, {}), (2, 20, 1, {}), (6, 2, 2, SAMPLED), (0, 4, 4, {})]
-    batch = make_batch(rows)
-    batch.return_log_probs = np.array([False, False, False, True])
+def count_padded_rows(monkeypatch) -> list[int]:
+    """The rows of each padded program run from now on (CallGraphs.run spied on)."""
     padded_rows: list[int] = []
     real_run = CallGraphs.run
 
@@ -444,6 +439,17 @@ def test_prefill_and_log_prob_rows_run_eagerly_beside_the_padded_rows(target, mo
         return real_run(self, role, part)
 
     monkeypatch.setattr(CallGraphs, "run", counting)
+    return padded_rows
+
+
+def test_prefill_and_log_prob_rows_run_eagerly_beside_the_padded_rows(target, monkeypatch):
+    """A verify with a prefill row (more than MAX_BATCHED_QUERY tokens) and a row asking for
+    log-probabilities: those run eagerly, the others padded, merged in row order: the
+    eager call's tokens and log-probabilities."""
+    rows = [(5, 3, 3, {}), (2, 20, 1, {}), (6, 2, 2, SAMPLED), (0, 4, 4, {})]
+    batch = make_batch(rows)
+    batch.return_log_probs = np.array([False, False, False, True])
+    padded_rows = count_padded_rows(monkeypatch)
     eager, padded, *_, same_writes = padded_against_eager(target, batch, "target", monkeypatch)
     assert padded_rows == [2]
     assert np.array_equal(padded.token_ids, eager.token_ids)
@@ -464,14 +470,7 @@ def test_rows_with_logit_controls_run_eagerly_beside_the_padded_rows(target, mon
     batch.history_ids = np.array([7, 9], dtype=np.int32)
     batch.bias_rows, batch.bias_ids = np.array([1], dtype=np.int32), np.array([3], np.int32)
     batch.bias_values = np.array([-np.inf], dtype=np.float32)
-    padded_rows: list[int] = []
-    real_run = CallGraphs.run
-
-    def counting(self, role, part):
-        padded_rows.append(len(part.slot_ids))
-        return real_run(self, role, part)
-
-    monkeypatch.setattr(CallGraphs, "run", counting)
+    padded_rows = count_padded_rows(monkeypatch)
     eager, padded, *_, same_writes = padded_against_eager(target, batch, "target", monkeypatch)
     assert padded_rows == [2]
     assert np.array_equal(padded.token_ids, eager.token_ids) and same_writes

@@ -6,7 +6,6 @@ import pytest
 from pydantic import ValidationError
 
 from specdec.openai_api.protocol import (
-    OUTPUT_ONLY,
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
@@ -17,6 +16,7 @@ from specdec.openai_api.protocol import (
     usage,
     validation_error,
 )
+from specdec.text.request import OUTPUT_ONLY
 
 TRITON_INPUTS = {"text_input", "max_tokens", "num_return_sequences", "presence_penalty"}
 

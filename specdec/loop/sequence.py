@@ -157,9 +157,7 @@ def add_logit_controls(
     requests = [s.request for s in rows]
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
         setattr(batch, name, np.array([getattr(r, name) for r in requests], dtype=np.float32))
-    batch.occurrence_start = np.array(
-        [min(r.prompt_ignore_length, len(r.prompt_ids)) for r in requests], dtype=np.int32
-    )
+    batch.occurrence_start = np.array([r.occurrence_start for r in requests], dtype=np.int32)
     history: list[np.ndarray] = []  # per row: the tokens its controls read
     biases: list[tuple[int, int, float]] = []  # (row, token, value)
     words: list[tuple[int, list[int]]] = []  # (row, bad word)
@@ -194,6 +192,6 @@ def history_start(request: GenerationRequest, cache_length: int) -> int:
     if request.repetition_penalty != 1.0:
         first = 0
     elif request.presence_penalty != 0.0 or request.frequency_penalty != 0.0:
-        first = min(request.prompt_ignore_length, len(request.prompt_ids))
+        first = request.occurrence_start
     longest = max((len(w) for w in request.bad_words_ids), default=0)
     return max(0, min(first, cache_length - longest + 1))

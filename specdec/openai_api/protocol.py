@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.text.request import MAX_CACHE_SALT
+from specdec.text.request import MAX_CACHE_SALT, OUTPUT_ONLY
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -175,11 +175,6 @@ def triton_params(
             dict.fromkeys(w for word in body.bad_words for w in (word, " " + word.lstrip()))
         )
     return {name: value for name, value in params.items() if value is not None}
-
-
-# prompt_ignore_length that leaves every prompt token out of presence and frequency: OpenAI
-# counts "how often a token appeared in the text so far", the generated text.
-OUTPUT_ONLY = 2**31 - 1
 
 
 # -- errors --------------------------------------------------------------------------------

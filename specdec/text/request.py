@@ -27,6 +27,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 MAX_BIASES = 1024  # token biases per request (logit_bias, embedding_bias_words)
 MAX_BAD_WORDS = 256
 MAX_CACHE_SALT = 256  # characters of a cache_salt
+# A prompt_ignore_length past any prompt: presence and frequency count the output only (the
+# OpenAI API's counting).
+OUTPUT_ONLY = 2**31 - 1
 # Inputs whose feature is not implemented: they must be false or absent.
 UNSUPPORTED_FLAGS = (
     "return_context_logits",
@@ -75,6 +78,11 @@ class GenerationRequest:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def occurrence_start(self) -> int:
+        """The first sequence position presence and frequency count."""
+        return min(self.prompt_ignore_length, len(self.prompt_ids))
 
     @property
     def has_logit_controls(self) -> bool:
