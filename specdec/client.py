@@ -64,6 +64,8 @@ LIST_INPUT_TYPES: dict[str, tuple[str, type] | None] = {
     "embedding_bias_weights": ("FP32", np.float32),
     "logit_bias_ids": ("INT32", np.int32),
     "logit_bias_values": ("FP32", np.float32),
+    "guided_decoding_guide_type": None,  # one string each
+    "guided_decoding_guide": None,
 }
 METRIC_OUTPUTS = (*PERF_OUTPUTS, "num_input_tokens", "num_output_tokens", "cum_log_probs")
 STREAM_ERROR_WAIT_S = 5.0  # for the reason a stream refused as it opened

@@ -29,7 +29,7 @@ def server(target_dir):
     adaptive request's choice among all three, run here."""
     running = ManagedServer(
         "test-default",
-        {"NUM_SLOTS": "32", "MAX_CONTEXT": "1024", "PROPOSERS": "draft_model,ngram,suffix"},
+        {"NUM_SLOTS": "32", "MAX_CONTEXT": "1024", "PROPOSERS": "draft_model,ngram,suffix,grammar"},
     )
     yield running
     running.stop()

@@ -252,22 +252,25 @@ def test_sampled_rows_with_penalties_follow_the_processed_target():
     assert all(s.token_ids[2:3] == plain for s in greedy)
 
 
+# Undrafted, the draft model at k = 4, prompt lookup at k = 8: seeded rows' drafters.
+DRAFTERS = [
+    dict(num_draft_tokens=0),
+    dict(num_draft_tokens=4, fixed_num_draft_tokens=True, proposers=("draft_model",)),
+    dict(num_draft_tokens=8, fixed_num_draft_tokens=True, proposers=("ngram",)),
+]
+
+
 def test_seeded_rows_with_controls_do_not_depend_on_the_drafter():
     """The same seeded sampled request with every control, undrafted, drafted by the model at
     k = 4 and by prompt lookup at k = 8, in one batch: the same tokens."""
     scheduler = scripted_scheduler()
-    drafters = [
-        dict(num_draft_tokens=0),
-        dict(num_draft_tokens=4, fixed_num_draft_tokens=True, proposers=("draft_model",)),
-        dict(num_draft_tokens=8, fixed_num_draft_tokens=True, proposers=("ngram",)),
-    ]
     prompt = [1, 2, 1, 2, 1, 2, 1]  # prompt lookup finds matches
     for seed in range(40):
         sequences = [
             scheduler.submit(
                 scripted_request(prompt, 12, temperature=0.8, seed=seed, **d, **CONTROLS["all"])
             )
-            for d in drafters
+            for d in DRAFTERS
         ]
         run_all(scheduler)
         plain, *drafted = [s.token_ids for s in sequences]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -252,6 +253,13 @@ SERVED_CONTROLS = {  # plain decoding answers "Here's a Python function that use
 }
 
 
+def served_speculation(*proposers: str) -> list[dict]:
+    """Fixed k: the draft model at 1, 4 and 8 (if listed), each other proposer at 8."""
+    ks = [(k, "draft_model") for k in (1, 4, 8) if "draft_model" in proposers]
+    ks += [(8, proposer) for proposer in proposers if proposer != "draft_model"]
+    return [dict(num_draft_tokens=k, fixed_num_draft_tokens=True, proposer=p) for k, p in ks]
+
+
 def test_each_control_through_the_ensemble_equals_transformers_at_every_k(server, hf_target):
     """Every control at k = 0, 1, 4 and 8 (the draft model) and with prompt lookup and the
     suffix store at k = 8, all at once beside rows without controls: transformers' text with
@@ -263,16 +271,7 @@ def test_each_control_through_the_ensemble_equals_transformers_at_every_k(server
     prompt_ids = tokenizer(CONTROL_PROMPT).input_ids
     python = tokenizer(" Python", add_special_tokens=False).input_ids
     function_that = tokenizer(" function that", add_special_tokens=False).input_ids
-    speculation = [dict(num_draft_tokens=0)] + [
-        dict(num_draft_tokens=k, fixed_num_draft_tokens=True, proposer=proposer)
-        for k, proposer in (
-            (1, "draft_model"),
-            (4, "draft_model"),
-            (8, "draft_model"),
-            (8, "ngram"),
-            (8, "suffix"),
-        )
-    ]
+    speculation = [dict(num_draft_tokens=0)] + served_speculation("draft_model", "ngram", "suffix")
     common = dict(max_tokens=MAX_TOKENS, exclude_input_in_output=True)
     jobs = [
         (CONTROL_PROMPT, {**common, **inputs, **how})
@@ -302,3 +301,46 @@ def test_each_control_through_the_ensemble_equals_transformers_at_every_k(server
         assert expected != plain, name
         texts = [r.text for r in results[i * len(speculation) : (i + 1) * len(speculation)]]
         assert texts == [expected] * len(speculation), name
+
+
+def test_guided_output_through_the_ensemble_equals_transformers_at_every_k(
+    server, target_dir, hf_target
+):
+    """TensorRT-LLM's guided_decoding_guide_type / guided_decoding_guide: a JSON schema at
+    k = 0, 1, 4 and 8 (the draft model), with prompt lookup, the suffix store and the grammar
+    itself at k = 8 and adaptively, beside a row without a guide: transformers' text under
+    xgrammar's processor, valid under the schema. A bad schema is refused by name while the
+    others run."""
+    from jsonschema import validate
+    from test_guided import CASES, MAX_TOKENS, PERSON, hf_guided
+
+    from specdec.engines.grammar import Grammars
+
+    tokenizer = hf_target[0]
+    guide, question = CASES["json_schema"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    speculation = [dict(num_draft_tokens=0), {}] + served_speculation(
+        "draft_model", "ngram", "suffix", "grammar"
+    )
+    guided = dict(guided_decoding_guide_type=guide.type, guided_decoding_guide=guide.text)
+    common = dict(max_tokens=MAX_TOKENS, exclude_input_in_output=True)
+    jobs = [(prompt, {**common, **guided, **how}) for how in speculation]
+    jobs.append((prompt, {**common, **speculation[3]}))  # no guide
+    jobs.append((prompt, {**common, **guided, "guided_decoding_guide": '{"type": "objec'}))
+    results = run_concurrently(server.url, "ensemble", jobs)
+    assert results[-1].error is not None and "guided_decoding_guide" in str(results[-1].error)
+    results = results[:-1]
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    grammars = Grammars.for_tokenizer(str(target_dir), 49_152)
+    prompt_ids = tokenizer(prompt).input_ids
+    expected = tokenizer.decode(
+        hf_guided(hf_target, grammars, prompt_ids, guide), skip_special_tokens=True
+    )
+    plain = tokenizer.decode(
+        hf_guided(hf_target, grammars, prompt_ids, None), skip_special_tokens=True
+    )
+    assert results[-1].text == plain != expected
+    assert [r.text for r in results[:-1]] == [expected] * len(speculation)
+    validate(json.loads(expected), PERSON)

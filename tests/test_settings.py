@@ -480,11 +480,26 @@ def render_parameters(tmp_path: Path, env: dict[str, str], model: str) -> dict[s
 def test_the_bls_creates_both_engines_from_its_settings(glue, monkeypatch, tmp_path):
     bls_model = glue("bls_model")
     calls: list[tuple] = []
-    monkeypatch.setattr(bls_model, "create_engine", lambda *a, **k: calls.append((a, k)))
+    engine = SimpleNamespace(config=SimpleNamespace(vocab_size=49_152))
+
+    def create_engine(*args, **kwargs):
+        calls.append((args, kwargs))
+        return engine
+
+    def for_tokenizer(path: str, vocab_size: int):
+        grammars.append((path, vocab_size))
+        return None
+
+    grammars: list[tuple] = []
+    monkeypatch.setattr(bls_model, "create_engine", create_engine)
+    monkeypatch.setattr(bls_model, "Grammars", SimpleNamespace(for_tokenizer=for_tokenizer))
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     parameters = render_parameters(tmp_path / "given", GIVEN, "speculative_decoding")
     bls_model.create_engines(parameters)
     bls_model.create_engines({})
+    # guided rows' grammars: the target's tokenizer, over its vocabulary
+    target = str(tmp_path / "models/smollm2-135m-instruct")
+    assert grammars == [("/opt/target", 49_152), (target, 49_152)]
     common = dict(num_slots=8, max_length=512, device="cuda:1", dtype="bfloat16", cuda_graphs=True)
     defaults = dict(num_slots=64, max_length=2048, device="cpu", dtype="float32", cuda_graphs=None)
     assert calls == [

@@ -24,18 +24,20 @@ import torch
 
 from specdec.engines.controls import CallControls, LogitControls, apply_controls
 from specdec.engines.engine import MAX_BATCHED_QUERY, Engine
+from specdec.engines.grammar import Grammars, PositionedMatchers
 from specdec.engines.graphs import CallGraphs, fits
 from specdec.engines.sampling import RowSampling, choose_tokens
 from specdec.engines.wire import (
     CONTROL_ENTRY_FIELDS,
     CONTROL_ROW_FIELDS,
+    NO_TOKEN,
     OPTIONAL_BATCH_FIELDS,
     EngineBatch,
     EngineResult,
     hindsight_lengths,
 )
 
-EagerCall = Callable[[Engine, EngineBatch], EngineResult]
+EagerCall = Callable[[Engine, EngineBatch, PositionedMatchers | None], EngineResult]
 T = TypeVar("T")
 
 
@@ -89,22 +91,30 @@ def _choose(
         torch.from_numpy(positions.astype(np.int64)),
         None if wanted is None else wanted.to(logits.device),
     )
+    if controls is not None and controls.allowed is not None:
+        chosen = controls.allowed.gather(1, tokens[controls.rows].long().unsqueeze(1))[:, 0]
+        tokens[controls.rows[~chosen]] = NO_TOKEN  # nothing the grammar allows was left
     values = None if log_probs is None else log_probs.cpu().numpy()
     return tokens.cpu().numpy().astype(np.int32), values
 
 
-def run_target(engine: Engine, batch: EngineBatch) -> EngineResult:
+def run_target(
+    engine: Engine, batch: EngineBatch, matchers: PositionedMatchers | None = None
+) -> EngineResult:
     """Appends the rows' tokens and chooses the target's token at their last num_steps
-    positions."""
+    positions. `matchers`: guided rows' grammars (specdec/engines/grammar.py)."""
     apply_copies(engine, batch)
-    return _split(engine, batch, "target", _eager_target)
+    return _split(engine, batch, "target", _eager_target, matchers)
 
 
-def run_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
+def run_draft(
+    engine: Engine, batch: EngineBatch, matchers: PositionedMatchers | None = None
+) -> EngineResult:
     """Appends the rows' tokens, guesses the last fed ones in hindsight, then proposes
-    num_steps tokens per row (0: none), one step at a time."""
+    num_steps tokens per row (0: none), one step at a time; a row stops proposing at a
+    position where its controls leave no token (NO_TOKEN)."""
     apply_copies(engine, batch)
-    return _split(engine, batch, "draft", _eager_draft)
+    return _split(engine, batch, "draft", _eager_draft, matchers)
 
 
 def offered_graphs(engine: Engine) -> CallGraphs | None:
@@ -119,21 +129,29 @@ def offered_graphs(engine: Engine) -> CallGraphs | None:
 DRAFT_NARROW_WIDTH = 2
 
 
-def _split(engine: Engine, batch: EngineBatch, role: str, eager: EagerCall) -> EngineResult:
+def _split(
+    engine: Engine,
+    batch: EngineBatch,
+    role: str,
+    eager: EagerCall,
+    matchers: PositionedMatchers | None,
+) -> EngineResult:
     """Rows are independent (each attends only its own slot), so the rows a padded program
     takes run there (a draft call's catching-up rows in a program of their own) and the
     others (prefill, log-probabilities) eagerly; the results are merged in row order."""
     graphs = offered_graphs(engine)
     if graphs is None:
-        return eager(engine, batch)
+        return eager(engine, batch, matchers)
     taken = fits(batch, role)
     narrow = batch.input_lengths <= (DRAFT_NARROW_WIDTH if role == "draft" else MAX_BATCHED_QUERY)
-    padded = functools.partial(_graph_target if role == "target" else _graph_draft, graphs)
-    groups = [
-        (taken & narrow, padded),
-        (taken & ~narrow, padded),
-        (~taken, functools.partial(eager, engine)),
-    ]
+    padded: Callable[[EngineBatch], EngineResult] = functools.partial(
+        _graph_target if role == "target" else _graph_draft, graphs
+    )
+
+    def eagerly(part: EngineBatch) -> EngineResult:
+        return eager(engine, part, matchers)
+
+    groups = [(taken & narrow, padded), (taken & ~narrow, padded), (~taken, eagerly)]
     present = [(group, run) for group, run in groups if group.any()]
     if len(present) <= 1:  # the whole call in one piece (an empty one padded)
         return (present[0][1] if present else padded)(batch)
@@ -210,7 +228,9 @@ def _graph_draft(graphs: CallGraphs, batch: EngineBatch) -> EngineResult:
     return result
 
 
-def _eager_target(engine: Engine, batch: EngineBatch) -> EngineResult:
+def _eager_target(
+    engine: Engine, batch: EngineBatch, matchers: PositionedMatchers | None = None
+) -> EngineResult:
     result = _empty_result(batch)
     logits = engine.forward(
         torch.from_numpy(batch.input_ids.astype(np.int64)),
@@ -225,7 +245,7 @@ def _eager_target(engine: Engine, batch: EngineBatch) -> EngineResult:
     # Logits after the fed token at position p choose the token at p + 1.
     fed = batch.cache_lengths.astype(np.int64) + batch.input_lengths - batch.num_steps
     positions = fed[rows] + steps + 1
-    call = CallControls(batch)
+    call = CallControls(batch, matchers, "target")
     controls = call.for_logits(rows, positions, lambda row: call.inputs[row], logits)
     tokens, log_probs = _choose(logits, batch, rows, steps, positions, controls, True)
     result.token_ids[rows, steps] = tokens
@@ -235,7 +255,9 @@ def _eager_target(engine: Engine, batch: EngineBatch) -> EngineResult:
     return result
 
 
-def _eager_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
+def _eager_draft(
+    engine: Engine, batch: EngineBatch, matchers: PositionedMatchers | None = None
+) -> EngineResult:
     result = _empty_result(batch)
     cache_lengths = (batch.cache_lengths + batch.input_lengths).astype(np.int64)
     hindsight = hindsight_lengths(batch.input_lengths, batch.temperature)
@@ -252,7 +274,7 @@ def _eager_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
         result.hindsight_hits = _hindsight_hits(batch, hindsight, lambda r: guesses[: ends[r]])
     rows = np.nonzero(batch.num_steps > 0)[0]
     logits = logits[torch.from_numpy(ends[rows] - 1).to(logits.device)]  # (rows, V)
-    call = CallControls(batch)
+    call = CallControls(batch, matchers, "draft")
 
     def written(row: int) -> np.ndarray:  # its input, then its proposals so far
         proposals = result.token_ids[row]
@@ -262,8 +284,8 @@ def _eager_draft(engine: Engine, batch: EngineBatch) -> EngineResult:
         steps = np.full(len(rows), step)
         controls = call.for_logits(rows, cache_lengths[rows], written, logits)
         tokens, _ = _choose(logits, batch, rows, steps, cache_lengths[rows], controls)
-        result.token_ids[rows, step] = tokens
-        more = batch.num_steps[rows] > step + 1
+        result.token_ids[rows, step] = np.where(tokens == NO_TOKEN, -1, tokens)
+        more = (batch.num_steps[rows] > step + 1) & (tokens != NO_TOKEN)
         rows, tokens = rows[more], tokens[more]
         if not len(rows):
             break
@@ -325,18 +347,22 @@ class LocalEngines:
     (the Engines protocol of specdec/engines/wire.py). One call at a time: the loop and a
     call from outside it (specdec/serving/engine_model.py) share the engines' caches."""
 
-    def __init__(self, draft_engine: Engine, target_engine: Engine) -> None:
+    def __init__(
+        self, draft_engine: Engine, target_engine: Engine, grammars: Grammars | None = None
+    ) -> None:
         self.draft_engine = draft_engine
         self.target_engine = target_engine
+        self.grammars = grammars  # guided rows' (None: a guided call is refused)
+        self.matchers = PositionedMatchers(grammars) if grammars is not None else None
         self.lock = threading.Lock()
 
     def draft(self, batch: EngineBatch) -> EngineResult:
         with self.lock:
-            return run_draft(self.draft_engine, batch)
+            return run_draft(self.draft_engine, batch, self.matchers)
 
     def target(self, batch: EngineBatch) -> EngineResult:
         with self.lock:
-            return run_target(self.target_engine, batch)
+            return run_target(self.target_engine, batch, self.matchers)
 
     def call(self, role: str, batch: EngineBatch) -> EngineResult:
         """The call of `role` ("draft" or "target"; wire.ROLES)."""

@@ -21,8 +21,12 @@ Processing, in order, as Hugging Face's processors and TensorRT-LLM's sampling d
    negative one multiplied by it;
 3. presence subtracts its penalty once from each token that occurred since the row's
    occurrence_start; frequency subtracts its penalty once per occurrence.
+4. a guided row's grammar masks every token it forbids there (specdec/engines/grammar.py):
+   its state is the row's output before j, sent and written the same way.
 Then sampling.py blocks the end token below min_tokens, and applies temperature, top-k, top-p
-and min_p.
+and min_p. Where nothing is left to choose (a grammar that allows only the end token below
+min_tokens, or only tokens that bad words ban) the position gets NO_TOKEN, and the loop ends
+the request with an error that says so.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.engines.grammar import (
+    Guide,
+    PositionedMatchers,
+    allowed_tokens,
+    fill_allowed,
+    new_bitmask,
+)
 from specdec.engines.wire import EngineBatch
 
 
@@ -49,6 +60,7 @@ class LogitControls:
     frequency: torch.Tensor  # (R,) float32
     bias_ids: torch.Tensor  # (R, P) int64 (padding: token 0)
     bias_values: torch.Tensor  # (R, P) float32 (padding: 0)
+    allowed: torch.Tensor | None = None  # (R, V) bool: what guided rows' grammars allow
 
 
 @torch.inference_mode()  # engines' logits are inference tensors: changed in place here
@@ -69,18 +81,32 @@ def apply_controls(logits: torch.Tensor, controls: LogitControls | None) -> torc
         seen = seen - controls.presence[:, None] * (occurrences > 0).float()
         seen = seen - controls.frequency[:, None] * occurrences
         rows.scatter_(1, controls.token_ids, seen)
+    if controls.allowed is not None:
+        rows.masked_fill_(~controls.allowed, float("-inf"))
     logits[controls.rows] = rows
     return logits
 
 
 class CallControls:
-    """One call's controls on the host, per batch row, read from its batch once."""
+    """One call's controls on the host, per batch row, read from its batch once. `matchers`:
+    where guided rows' grammars are positioned, under keys (role, slot)."""
 
-    def __init__(self, batch: EngineBatch) -> None:
+    def __init__(
+        self, batch: EngineBatch, matchers: PositionedMatchers | None = None, role: str = ""
+    ) -> None:
         self.batch = batch
+        self.matchers = matchers
+        self.role = role
         self.active = batch.has_controls()  # (B,)
+        self.guides: dict[int, tuple[Guide, int]] = {}  # batch row -> (guide, output start)
         if not self.active.any():
             return
+        for row, kind, text, start in zip(
+            batch.guide_rows, batch.guide_types, batch.guides, batch.guide_starts, strict=True
+        ):
+            self.guides[int(row)] = ((kind.decode(), text.decode()), int(start))
+        if self.guides and matchers is None:
+            raise ValueError("a guided row reached an engine call without grammars")
         starts = np.cumsum(batch.input_lengths) - batch.input_lengths
         self.inputs = [
             batch.input_ids[start : start + length]
@@ -106,6 +132,7 @@ class CallControls:
         vocab_size, device = logits.shape[-1], logits.device
         parts = [self._row(int(rows[i]), int(positions[i]), written, vocab_size) for i in chosen]
         batch = self.batch
+        allowed = self._allowed(rows[chosen], [p[3] for p in parts], vocab_size, device)
         seen = [p[0] for p in parts]
         token_ids, (appeared, occurrences) = _padded(
             [s[0] for s in seen], [s[1] for s in seen], [s[2] for s in seen]
@@ -128,11 +155,34 @@ class CallControls:
             frequency=tensor(batch.frequency_penalty[at], torch.float32),
             bias_ids=tensor(bias_ids, torch.int64),
             bias_values=tensor(bias_values, torch.float32),
+            allowed=allowed,
         )
 
+    def _allowed(
+        self, rows: np.ndarray, before: list[tuple[int, np.ndarray]], vocab_size: int, device
+    ) -> torch.Tensor | None:
+        """(R, V) bool: the tokens each guided row's grammar allows after its output before
+        the position (`before`: each row's first sequence position and tokens from there);
+        None where no row is guided."""
+        guided = [i for i, row in enumerate(rows) if int(row) in self.guides]
+        if not guided:
+            return None
+        assert self.matchers is not None  # checked in __init__
+        bitmask = new_bitmask(len(rows), self.matchers.grammars.vocab_size)
+        for i in guided:
+            row = int(rows[i])
+            guide, start = self.guides[row]
+            first, tokens = before[i]
+            key = (self.role, int(self.batch.slot_ids[row]))
+            output = tokens[max(start - first, 0) :].tolist()
+            matcher = self.matchers.at(key, guide, int(self.batch.end_ids[row]), output)
+            fill_allowed(matcher, bitmask, i)
+        return allowed_tokens(bitmask.to(device), vocab_size)
+
     def _row(self, row: int, position: int, written: Callable[[int], np.ndarray], vocab_size: int):
-        """Row `row`'s tokens seen before `position` ((ids, appeared, occurrences)), and its
-        biases there (ids, values); token ids past a draft's smaller vocabulary are left out."""
+        """Row `row`'s tokens seen before `position` ((ids, appeared, occurrences)), its
+        biases there (ids, values), and the tokens before the position (the first one's
+        position, the tokens); token ids past a draft's smaller vocabulary are left out."""
         batch = self.batch
         cache_length = int(batch.cache_lengths[row])
         history = self.history[row]
@@ -158,6 +208,7 @@ class CallControls:
             (ids[seen], appeared[seen], occurrences[seen]),
             bias_ids[biased],
             bias_values[biased],
+            (first_position, before),
         )
 
 

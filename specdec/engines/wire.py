@@ -32,6 +32,10 @@ from typing import Protocol
 
 import numpy as np
 
+# A token an engine returns where a row's controls left nothing to choose (a grammar that
+# allows only what min_tokens or bad words forbid, specdec/engines/controls.py).
+NO_TOKEN = -2
+
 
 @dataclass
 class EngineBatch:
@@ -71,6 +75,13 @@ class EngineBatch:
     # banned where the tokens before it end the text.
     bad_word_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     bad_words: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))
+    # Guided rows (specdec/engines/grammar.py), one entry each: the guide's type and text
+    # (UTF-8 bytes) and the sequence position where the row's output, the text the grammar
+    # reads, starts (history_* holds its tokens from there to the cache length).
+    guide_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    guide_types: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S1"))
+    guides: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="S1"))
+    guide_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -88,7 +99,7 @@ class EngineBatch:
         return cls(**{n: _field_array(n, arrays[n]) for n in names if n in arrays})
 
     def has_controls(self) -> np.ndarray:
-        """(B,) bool: rows with a logit control (penalty, min_p, bias, bad word)."""
+        """(B,) bool: rows with a logit control (penalty, min_p, bias, bad word, guide)."""
         rows = np.zeros(len(self.slot_ids), dtype=np.bool_)
         if not self.repetition_penalty.size:
             return rows
@@ -97,6 +108,7 @@ class EngineBatch:
         rows |= self.min_p > 0
         rows[self.bias_rows] = True
         rows[self.bad_word_rows] = True
+        rows[self.guide_rows] = True
         return rows
 
     def wants_log_probs(self) -> np.ndarray:
@@ -139,6 +151,9 @@ CONTROL_ENTRY_FIELDS = {
     "bias_ids": "bias_rows",
     "bias_values": "bias_rows",
     "bad_words": "bad_word_rows",
+    "guide_types": "guide_rows",
+    "guides": "guide_rows",
+    "guide_starts": "guide_rows",
 }
 CONTROL_FIELDS = CONTROL_ROW_FIELDS + tuple(
     dict.fromkeys([*CONTROL_ENTRY_FIELDS.values(), *CONTROL_ENTRY_FIELDS])

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.engines.wire import EngineBatch, EngineResult, Engines
+from specdec.engines.wire import NO_TOKEN, EngineBatch, EngineResult, Engines
 from specdec.loop.admission import Admission, QueueFull
 from specdec.loop.calibration import Calibration, CalibrationPlan, calibrate
 from specdec.loop.config import SchedulerConfig
@@ -36,7 +36,13 @@ from specdec.loop.prefix_cache import PrefixCounts
 from specdec.loop.proposers import REGISTRY
 from specdec.loop.proposers.base import Proposal, Proposer
 from specdec.loop.proposers.suffix import SuffixProposer
-from specdec.loop.sequence import CacheCopy, SequenceState, Update, engine_batch
+from specdec.loop.sequence import (
+    CacheCopy,
+    SequenceState,
+    Update,
+    engine_batch,
+    no_token_error,
+)
 from specdec.loop.suffix_store import StoreCounts
 from specdec.loop.timing import EngineCall, MeteredEngines
 from specdec.loop.verify import Verdict, verify
@@ -245,6 +251,9 @@ class SpeculativeScheduler:
     def execute(self, work: StepWork) -> Execution:
         """2. The proposers' calls, then the target's."""
         proposals = self._propose(work.plan, work.draft_copies)
+        for row, sequence in enumerate(work.plan.batch):  # a draft cut short (NO_TOKEN)
+            proposed = len(proposals.get(sequence.id, NO_PROPOSAL).token_ids)
+            work.plan.ks[row] = min(work.plan.ks[row], proposed)
         target_batch = self._target_batch(work, proposals)
         result = self.engines.target(target_batch)
         for sequence, num_tokens in work.chunks:  # their prompts' positions, written
@@ -348,6 +357,9 @@ class SpeculativeScheduler:
         sequence.stats.num_accepted_draft_tokens += verdict.num_accepted
         num_before = sequence.num_output_tokens
         for position, token in enumerate(verdict.token_ids):
+            if token == NO_TOKEN:
+                sequence.finish_reason, sequence.error = "error", no_token_error(sequence)
+                break
             if token == request.end_id:
                 sequence.finish_reason = "end"
                 break

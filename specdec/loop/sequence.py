@@ -15,7 +15,7 @@ import numpy as np
 
 from specdec.engines.wire import EngineBatch
 from specdec.text.detokenizer import IncrementalDetokenizer
-from specdec.text.request import GenerationRequest
+from specdec.text.request import GUIDE_FIELD, GenerationRequest
 
 
 @dataclass
@@ -53,6 +53,7 @@ class SequenceState:
     draft_cache_length: int = 0  # valid positions in its draft slot
     stats: SequenceStats = field(default_factory=SequenceStats)
     finish_reason: str | None = None  # "end", "length", "stop", "cancelled", "error"
+    error: str = ""  # why, where the loop itself ended it with "error"
     cancelled: bool = False
     sequence_index: int = 0  # which of its prompt's num_return_sequences
     parent: SequenceState | None = None  # its prompt's first sequence: the prompt cache's source
@@ -111,6 +112,14 @@ class Update:
     num_emitted: int = 0  # output tokens it added (0 when its end token came first)
 
 
+def no_token_error(sequence: SequenceState) -> str:
+    """Why a row whose controls left no token to choose (wire.NO_TOKEN) ended."""
+    return (
+        f"{GUIDE_FIELD}: no token is left at output token {sequence.num_output_tokens + 1}: "
+        "the grammar allows only tokens that min_tokens or bad_words forbid"
+    )
+
+
 CacheCopy = tuple[int, int, int]  # (source slot, slot, positions): a prompt cache copied
 
 
@@ -161,8 +170,11 @@ def add_logit_controls(
     history: list[np.ndarray] = []  # per row: the tokens its controls read
     biases: list[tuple[int, int, float]] = []  # (row, token, value)
     words: list[tuple[int, list[int]]] = []  # (row, bad word)
+    guided: list[int] = []
     for row, (sequence, cached) in enumerate(zip(rows, cache_lengths, strict=True)):
         request = sequence.request
+        if request.guide is not None:
+            guided.append(row)
         biases += [(row, token, value) for token, value in request.logit_bias.items()]
         for word in request.bad_words_ids:
             if len(word) == 1:
@@ -182,16 +194,25 @@ def add_logit_controls(
     batch.bad_words = np.full((len(words), width), -1, dtype=np.int32)
     for line, (_, word) in enumerate(words):
         batch.bad_words[line, : len(word)] = word
+    guides = [rows[row].request.guide for row in guided]
+    batch.guide_rows = np.array(guided, dtype=np.int32)
+    batch.guide_types = np.array([g.type.encode() for g in guides if g], dtype=np.bytes_)
+    batch.guides = np.array([g.text.encode() for g in guides if g], dtype=np.bytes_)
+    batch.guide_starts = np.array(
+        [len(rows[row].request.prompt_ids) for row in guided], dtype=np.int32
+    )
 
 
 def history_start(request: GenerationRequest, cache_length: int) -> int:
     """The first position of the tokens a call must send for the row's controls: all of them
     for the repetition penalty, those from occurrence_start for presence and frequency, the
-    last (longest bad word - 1) for bad words."""
+    output for a guide, the last (longest bad word - 1) for bad words."""
     first = cache_length
     if request.repetition_penalty != 1.0:
         first = 0
     elif request.presence_penalty != 0.0 or request.frequency_penalty != 0.0:
         first = request.occurrence_start
+    if request.guide is not None:
+        first = min(first, len(request.prompt_ids))
     longest = max((len(w) for w in request.bad_words_ids), default=0)
     return max(0, min(first, cache_length - longest + 1))

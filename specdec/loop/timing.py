@@ -45,6 +45,8 @@ class MeteredEngines:
         self.engines = engines
         self.clock = clock
         self.calls: list[EngineCall] = []
+        # Guided rows' grammars, where the engines have them (specdec/engines/grammar.py).
+        self.grammars = getattr(engines, "grammars", None)
 
     def draft(self, batch: EngineBatch) -> EngineResult:
         return self._call("draft", self.engines.draft, batch)

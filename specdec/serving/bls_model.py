@@ -28,6 +28,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specdec.engines.calls import LocalEngines, on_a_passing_thread
+from specdec.engines.grammar import Grammars
 from specdec.engines.select import create_engine
 from specdec.engines.wire import decode_call, encode_result
 from specdec.loop.admission import QueueFull
@@ -43,7 +44,7 @@ from specdec.serving.metrics import LoopMetrics
 from specdec.serving.outbox import Outbox, Work
 from specdec.serving.responses import StreamHold, response_arrays
 from specdec.serving.settings import decide_response_thread, usable_cores
-from specdec.text.request import InvalidInput, parse_requests
+from specdec.text.request import Guide, InvalidInput, parse_requests
 from specdec.text.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -102,7 +103,9 @@ def create_engines(params: dict[str, str]) -> LocalEngines:
                 cuda_graphs=cuda_graphs,
             )
         )
-    return LocalEngines(*engines)
+    target_path = resolve_path(settings.TARGET_CHECKPOINT.read(params))
+    grammars = Grammars.for_tokenizer(str(target_path), engines[1].config.vocab_size)
+    return LocalEngines(engines[0], engines[1], grammars)
 
 
 class TritonRequest(Protocol):
@@ -286,6 +289,7 @@ class TritonPythonModel:
                     max_return_sequences=self.max_return_sequences,
                     default_stream_interval=self.stream_interval,
                     vocab_size=self.vocab_size,
+                    check_guide=self._check_guide,
                 )
                 with self.lock:
                     if self.stopping or self.drain_deadline is not None:
@@ -468,11 +472,20 @@ class TritonPythonModel:
             self.open_requests.pop(member.id, None)
         self.work.append(self._error_sender(open_request.sender, message, code))
 
+    def _check_guide(self, guide: Guide) -> None:
+        """Compiles a request's guide (cached), or raises ValueError saying why not."""
+        if self.engines.grammars is None:
+            raise ValueError("guided decoding is not available on this server")
+        self.engines.grammars.compile((guide.type, guide.text))
+
     def _respond(self, update: Update) -> None:
         sequence = update.sequence
         open_request = self.open_requests.get(sequence.id)
         if open_request is None:
             return  # ended already
+        if sequence.error:  # the loop ended it (specdec/loop/sequence.py: no_token_error)
+            self._end(sequence, "error", sequence.error, pb_utils.TritonError.INVALID_ARG)
+            return
         text: str | None = update.text
         request = sequence.request
         if request.stream and request.stream_interval > 1:

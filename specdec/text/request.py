@@ -7,6 +7,7 @@ unchanged. Every error names the field it is about.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,21 @@ UNSUPPORTED_FLAGS = (
 )
 
 
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+GUIDE_TYPE_FIELD = "guided_decoding_guide_type"
+GUIDE_FIELD = "guided_decoding_guide"
+MAX_GUIDE_CHARS = 1 << 16  # a schema, regex or grammar of at most 64 Ki characters
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What a request's output must follow (specdec/engines/grammar.py): one of GUIDE_TYPES
+    and its text (a JSON schema, a regex, an EBNF grammar, a structural tag; "" for json)."""
+
+    type: str
+    text: str = ""
+
+
 @dataclass
 class GenerationRequest:
     prompt: str | None  # text_input; None when the client sent input_ids
@@ -58,6 +74,7 @@ class GenerationRequest:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never produced
+    guide: Guide | None = None  # what the output must follow (guided decoding)
     num_draft_tokens: int | None = None  # the most draft tokens per step; None: the server's
     fixed_num_draft_tokens: bool = False  # True: exactly num_draft_tokens (benchmarks, tests)
     # The proposers it may use, of the server's (specdec/loop/proposers/); (): all of them.
@@ -94,6 +111,7 @@ class GenerationRequest:
             or self.min_p > 0.0
             or bool(self.logit_bias)
             or bool(self.bad_words_ids)
+            or self.guide is not None
         )
 
 
@@ -167,6 +185,7 @@ def parse_request(
     max_return_sequences: int = 64,
     default_stream_interval: int = 1,
     vocab_size: int | None = None,
+    check_guide: Callable[[Guide], object] | None = None,
 ) -> GenerationRequest:
     """Builds a request from the input tensors of one prompt; raises InvalidInput naming
     the bad field.
@@ -174,7 +193,9 @@ def parse_request(
     `tokenize(text) -> list[int]` is used when the client sends text_input without input_ids;
     `proposers` are the ones this server runs (specdec/loop/proposers/): a request may pick
     one of them; `default_stream_interval` is the server's for requests that send none;
-    `vocab_size`, the target's, bounds the token ids a bias or a bad word may name.
+    `vocab_size`, the target's, bounds the token ids a bias or a bad word may name;
+    `check_guide` compiles a guide, raising ValueError where it is not valid (None: a
+    guided request is refused).
     """
     prompt = None
     if "input_ids" in inputs:
@@ -280,6 +301,7 @@ def parse_request(
         if _scalar(inputs, name, bool, False):
             raise InvalidInput(name, "not supported by this server")
     controls = parse_logit_controls(inputs, tokenize, vocab_size, end_id, min_tokens)
+    guide = parse_guide(inputs, end_id, check_guide)
 
     return GenerationRequest(
         prompt=prompt,
@@ -293,6 +315,7 @@ def parse_request(
         end_id=end_id,
         stop_words=_strings(inputs, "stop_words"),
         **controls,
+        guide=guide,
         num_draft_tokens=num_draft_tokens,
         fixed_num_draft_tokens=fixed,
         proposers=tuple(proposer),
@@ -306,6 +329,40 @@ def parse_request(
         return_num_input_tokens=_scalar(inputs, "return_num_input_tokens", bool, False),
         return_num_output_tokens=_scalar(inputs, "return_num_output_tokens", bool, False),
     )
+
+
+def parse_guide(
+    inputs: dict[str, np.ndarray], end_id: int, check_guide: Callable[[Guide], object] | None
+) -> Guide | None:
+    """The request's guide (TensorRT-LLM's guided_decoding_guide_type and
+    guided_decoding_guide), checked by compiling it; None without one."""
+    kinds = _strings(inputs, GUIDE_TYPE_FIELD)
+    texts = _strings(inputs, GUIDE_FIELD)
+    if not kinds:
+        if texts and texts[0]:
+            raise InvalidInput(GUIDE_TYPE_FIELD, f"required with {GUIDE_FIELD}")
+        return None
+    if len(kinds) > 1 or len(texts) > 1:
+        raise InvalidInput(GUIDE_TYPE_FIELD, "one guide per request")
+    if kinds[0] not in GUIDE_TYPES:
+        raise InvalidInput(
+            GUIDE_TYPE_FIELD, f"{kinds[0]!r}: expected one of {', '.join(GUIDE_TYPES)}"
+        )
+    text = texts[0] if texts else ""
+    if kinds[0] != "json" and not text.strip():
+        raise InvalidInput(GUIDE_FIELD, f"required with {GUIDE_TYPE_FIELD} {kinds[0]!r}")
+    if len(text) > MAX_GUIDE_CHARS:
+        raise InvalidInput(GUIDE_FIELD, f"at most {MAX_GUIDE_CHARS} characters, got {len(text)}")
+    if end_id < 0:
+        raise InvalidInput("end_id", "a guided answer needs an end token (end_id >= 0)")
+    guide = Guide(kinds[0], text)
+    if check_guide is None:
+        raise InvalidInput(GUIDE_TYPE_FIELD, "guided decoding is not available on this server")
+    try:
+        check_guide(guide)
+    except ValueError as error:  # the grammar does not compile
+        raise InvalidInput(GUIDE_FIELD, str(error)) from error
+    return guide
 
 
 def parse_logit_controls(

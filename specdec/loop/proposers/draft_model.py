@@ -71,8 +71,11 @@ class DraftModelProposer(Proposer):
         proposals = []
         for row, (sequence, k) in enumerate(zip(rows, ks, strict=True)):
             hits = output_hindsight(sequence, result.hindsight(row, int(guessed[row])))
-            proposals.append(Proposal(result.token_ids[row, :k].tolist(), hits))
-            sequence.drafted(k)
+            tokens = result.token_ids[row, :k].tolist()
+            if -1 in tokens:  # its controls left no token there (calls.run_draft)
+                tokens = tokens[: tokens.index(-1)]
+            proposals.append(Proposal(tokens, hits))
+            sequence.drafted(len(tokens))
         return proposals
 
 

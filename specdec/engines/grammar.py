@@ -1,0 +1,195 @@
+"""Guided decoding: a request's grammar (any JSON, a JSON schema, a regex, an EBNF grammar or
+an xgrammar structural tag) as a mask on the logits at every position an engine chooses.
+
+Where the state lives. A grammar's state is a function of the tokens the row wrote since its
+output began, so, like the penalties (specdec/engines/controls.py), nothing of it is kept as
+the record anywhere: each call sends, for a guided row, its guide (type and text), the
+position its output starts, and the tokens from there to the row's cache length
+(EngineBatch.history_*). At the logits that choose position j the engine masks every token
+the grammar forbids after the tokens before j: the row's cache, and this call's own tokens
+before j (the pending ones and the proposals j is conditioned on). A draft masks its own
+steps the same way, so its proposals follow the grammar too. Acceptance and rollback reach
+the grammar through the tokens alone: a rejected proposal is not among the next call's
+tokens, so the state before it is what the next call asks for.
+
+What is cached, and why it may be: matchers positioned along rows (PositionedMatchers), keyed
+by the engine's role and the slot, each remembering the tokens it consumed. A call whose
+tokens extend a matcher's advances it; one that parts from them (rejected proposals, a new
+request in the slot) rolls it back to where they part, and advances it from there. The cache
+changes what a call costs, never what it masks.
+Compiled grammars are xgrammar's compiler cache, bounded by GRAMMAR_CACHE_BYTES.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+# A guide as the engines take it: (type, text), e.g. ("json_schema", '{"type": ...}'); the
+# types are specdec/text/request.py's GUIDE_TYPES.
+Guide = tuple[str, str]
+
+if TYPE_CHECKING:
+    import xgrammar
+
+GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept (xgrammar's compiler cache)
+BITS = 32  # tokens per word of a bitmask (xgrammar's int32 words)
+
+
+class Grammars:
+    """A tokenizer's grammars: compiles guides (cached, bounded) and makes matchers."""
+
+    def __init__(
+        self, info: xgrammar.TokenizerInfo, vocab_size: int, cache_bytes: int = GRAMMAR_CACHE_BYTES
+    ) -> None:
+        import xgrammar as xgr
+
+        self.info = info
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(
+            info, max_threads=1, cache_enabled=True, cache_limit_bytes=cache_bytes
+        )
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer_path: str, vocab_size: int, **kw) -> Grammars:
+        """The grammars of a Hugging Face tokenizer, over the model's vocab_size tokens."""
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        return cls(info, vocab_size, **kw)
+
+    def compile(self, guide: Guide) -> xgrammar.CompiledGrammar:
+        """The guide compiled (from the cache where it was compiled before); ValueError
+        where it is not a valid one of its type, with the compiler's first line of why."""
+        kind, text = guide
+        compile_guide = {
+            "json": lambda _: self.compiler.compile_builtin_json_grammar(),
+            "json_schema": self.compiler.compile_json_schema,
+            "regex": self.compiler.compile_regex,
+            "ebnf_grammar": self.compiler.compile_grammar,
+            "structural_tag": self.compiler.compile_structural_tag,
+        }.get(kind)
+        if compile_guide is None:
+            raise ValueError(f"unknown guide type {kind!r}")
+        try:
+            return compile_guide(text)
+        except Exception as error:  # xgrammar raises RuntimeError, ValueError, ...
+            lines = str(error).strip().splitlines()
+            raise ValueError(f"not a valid {kind}: {lines[0] if lines else repr(error)}") from error
+
+    def matcher(self, guide: Guide, end_id: int) -> xgrammar.GrammarMatcher:
+        """A matcher at the start of the guide's text; end_id is the token that ends it."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(guide), override_stop_tokens=[end_id])
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of compiled grammars held now."""
+        return int(self.compiler.get_cache_size_bytes())
+
+
+@dataclass
+class _Positioned:
+    guide: Guide
+    end_id: int
+    tokens: list[int]  # consumed, in order
+    matcher: Any  # xgrammar.GrammarMatcher after `tokens`
+
+
+class PositionedMatchers:
+    """Matchers along rows' text, by key (an engine role and a slot): a cache, see above."""
+
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+        self.entries: dict[Hashable, _Positioned] = {}
+
+    def at(self, key: Hashable, guide: Guide, end_id: int, tokens: list[int]):
+        """A matcher after `tokens` (the row's output so far), or None where the tokens
+        leave the grammar or pass its end (a proposal it forbids, a proposed end token: the
+        positions after it are never used)."""
+        entry = self.entries.get(key)
+        if entry is None or entry.guide != guide or entry.end_id != end_id:
+            matcher = self.grammars.matcher(guide, end_id)
+            entry = self.entries[key] = _Positioned(guide, end_id, [], matcher)
+        consumed = entry.tokens
+        common = _common_prefix(consumed, tokens)
+        if common == 0 and consumed:
+            entry.matcher.reset()
+        elif common < len(consumed):
+            entry.matcher.rollback(len(consumed) - common)
+        del consumed[common:]
+        for token in tokens[common:]:
+            if entry.matcher.is_terminated() or not entry.matcher.accept_token(int(token)):
+                return None
+            consumed.append(int(token))
+        if entry.matcher.is_terminated():
+            return None  # past its end token: nothing after it is used
+        return entry.matcher
+
+    def forget(self, keys_kept: set[Hashable] | None = None) -> None:
+        """Drops every matcher (or every one whose key is not in keys_kept)."""
+        if keys_kept is None:
+            self.entries.clear()
+        else:
+            for key in [k for k in self.entries if k not in keys_kept]:
+                del self.entries[key]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return int(np.argmin(np.asarray(a[:n]) == np.asarray(b[:n])))
+
+
+def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """(num_rows, words) int32, every token allowed."""
+    return torch.full((num_rows, (vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
+
+
+def fill_allowed(matcher, bitmask: torch.Tensor, index: int) -> None:
+    """Row `index` of the bitmask: the tokens the grammar allows next (matcher None: all)."""
+    if matcher is None:
+        bitmask[index] = -1
+    else:
+        matcher.fill_next_token_bitmask(bitmask, index)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, words) int32 -> (R, vocab_size) bool, on the bitmask's device."""
+    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (R, words, 32), lowest bit first
+    allowed = bits.reshape(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    padding = allowed.new_zeros((allowed.shape[0], vocab_size - allowed.shape[1]))
+    return torch.cat([allowed, padding], dim=1)
+
+
+def forced_tokens(matcher, vocab_size: int, limit: int) -> list[int]:
+    """Up to `limit` tokens the grammar leaves no choice about after the matcher's state
+    (each the only token its mask allows), the matcher left where it was."""
+    bitmask = new_bitmask(1, vocab_size)
+    forced: list[int] = []
+    for _ in range(limit):
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        words = bitmask[0].numpy().view(np.uint32)
+        nonzero = np.flatnonzero(words)
+        if len(nonzero) != 1 or words[nonzero[0]] & (words[nonzero[0]] - np.uint32(1)):
+            break  # more than one token allowed (or none)
+        token = int(nonzero[0]) * BITS + int(words[nonzero[0]]).bit_length() - 1
+        if not matcher.accept_token(token):
+            break
+        forced.append(token)
+    if forced:
+        matcher.rollback(len(forced))
+    return forced

@@ -1,0 +1,79 @@
+"""The grammar as a proposer: where a guided row's grammar leaves no choice (the rest of a JSON
+key, the quote and colon after it, a closing brace), those tokens are proposed, at no model
+call (SGLang calls this jump-forward decoding).
+
+A token is proposed only where the mask allows that one token alone, so the target, masked
+the same way (specdec/engines/grammar.py), takes it whatever its logits: greedy or sampled,
+the proposal is accepted unless the row ends first. That is why this proposer reads the mask
+rather than xgrammar's jump-forward string: a forced string that the vocabulary splits more
+than one way is a choice for the target, not a certainty. The cost model (LookupPlanner)
+still learns what its tokens are worth, as for any proposer without a model call.
+
+Its state is a matcher per guided row, advanced through the tokens the row commits; rows
+without a guide get no offer. With num_draft_tokens = 0 a row gets no proposals at all, so
+k = 0 stays plain guided decoding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from specdec.loop.proposers.base import Candidate, Offer, Proposal, Proposer
+from specdec.loop.sequence import CacheCopy, SequenceState
+
+if TYPE_CHECKING:
+    from specdec.engines.wire import Engines
+    from specdec.loop.config import SchedulerConfig
+
+
+class GrammarProposer(Proposer):
+    name = "grammar"
+    calls_model = False
+    verdicts_per_probe = 1  # a probe verifies one proposal: one verdict on its first token
+
+    def __init__(self, config: SchedulerConfig, engines: Engines) -> None:
+        super().__init__(config, engines)
+        self.grammars = getattr(engines, "grammars", None)  # specdec/engines/grammar.py
+        self.matchers: dict[int, tuple[Any, int]] = {}  # by sequence id: (matcher, consumed)
+        self.forced: dict[int, list[int]] = {}  # by sequence id: this step's offer
+
+    def offer(self, candidate: Candidate) -> Offer:
+        sequence = candidate.sequence
+        self.forced.pop(sequence.id, None)
+        if sequence.request.guide is None or self.grammars is None or candidate.max_k <= 0:
+            return Offer(0)
+        matcher = self._matcher(sequence)
+        if matcher is None:
+            return Offer(0)
+        from specdec.engines.grammar import forced_tokens
+
+        forced = forced_tokens(matcher, self.grammars.vocab_size, candidate.max_k)
+        self.forced[sequence.id] = forced
+        return Offer(len(forced))
+
+    def propose(
+        self, rows: list[SequenceState], ks: list[int], copies: list[CacheCopy]
+    ) -> list[Proposal]:
+        return [Proposal(self.forced[s.id][:k]) for s, k in zip(rows, ks, strict=True)]
+
+    def release(self, sequence: SequenceState) -> None:
+        self.matchers.pop(sequence.id, None)
+        self.forced.pop(sequence.id, None)
+
+    def _matcher(self, sequence: SequenceState):
+        """The row's matcher after its committed output; None once it ended or left the
+        grammar (which the engines' masks never let it)."""
+        request = sequence.request
+        assert request.guide is not None and self.grammars is not None
+        entry = self.matchers.get(sequence.id)
+        if entry is None:
+            guide = (request.guide.type, request.guide.text)
+            entry = (self.grammars.matcher(guide, request.end_id), 0)
+        matcher, consumed = entry
+        output = sequence.token_ids[len(request.prompt_ids) :]
+        for token in output[consumed:]:
+            if matcher.is_terminated() or not matcher.accept_token(int(token)):
+                self.matchers[sequence.id] = (matcher, len(output))
+                return None
+        self.matchers[sequence.id] = (matcher, len(output))
+        return None if matcher.is_terminated() else matcher
