@@ -271,6 +271,25 @@ def test_the_grammar_proposes_what_it_forces_and_the_target_takes_it_all(scripte
         assert (proposed.stats.num_target_passes, plain.stats.num_target_passes) == (2, 7)
 
 
+def test_the_grammar_proposes_a_lookup_after_what_it_forces(scripted_grammars):
+    """After the forced "a", prompt lookup finds what followed "a" in the prompt ("deb"), and
+    the grammar allows all of it: one offer of four tokens, keyed by one forced token; where
+    the grammar forbids the lookup's second token, the offer stops before it."""
+    from types import SimpleNamespace
+
+    from specdec.loop.proposers.base import Candidate
+    from specdec.loop.proposers.grammar import GrammarProposer
+
+    proposer = GrammarProposer(None, SimpleNamespace(grammars=scripted_grammars))  # type: ignore[arg-type]
+    prompt = [0, 3, 4, 1]  # "adeb"
+    for pattern, expected in (("a(d|b)(e|b)(b|d)c", [0, 3, 4, 1]), ("a(d|b)(a|b)dc", [0, 3])):
+        row = sequence_of(guided_request(prompt, guide=Guide("regex", pattern)), [], 0)
+        offer = proposer.offer(Candidate(row, 8))
+        assert (offer.num_tokens, offer.key) == (len(expected), 1), pattern
+        assert proposer.propose([row], [offer.num_tokens], [])[0].token_ids == expected
+        proposer.release(row)
+
+
 def test_positioned_matchers_roll_back_and_rebuild_as_a_fresh_matcher(scripted_grammars):
     """One slot's matcher asked for a longer text, a shorter one (rejected proposals), a
     different one (a new request in the slot), another guide: each mask is a fresh
@@ -473,7 +492,7 @@ def test_greedy_guided_output_equals_transformers_at_every_k(real, hf_target):
     store, the grammar itself and adaptively, and any JSON, a regex and an EBNF grammar with
     a few of them (modes_of), in one batch beside rows without a guide, gives
     transformers' tokens under xgrammar's own processor; the guide changes the output, the
-    grammar's proposals are all accepted, and the JSON validates."""
+    grammar's proposals are taken, and the JSON validates."""
     tokenizer, engines = real
     scheduler = real_scheduler(engines)
     prompts = {
@@ -516,8 +535,7 @@ def test_greedy_guided_output_equals_transformers_at_every_k(real, hf_target):
         assert expected != hf_guided(hf_target, grammars, prompts[name], None), name
         for how in modes_of(name):
             assert output_of(runs[name, how]) == expected, (name, how)
-        grammar = runs[name, "grammar-k8"].stats
-        assert grammar.num_accepted_draft_tokens == grammar.num_draft_tokens, name
+        assert runs[name, "grammar-k8"].stats.num_accepted_draft_tokens > 0, name
     answer = json.loads(tokenizer.decode(output_of(runs["json_schema", "k0"])))
     validate(answer, PERSON)
     assert sum(s.stats.num_accepted_draft_tokens for s in runs.values()) > 0

@@ -24,7 +24,7 @@ import torch
 
 from specdec.engines.controls import CallControls, LogitControls, apply_controls
 from specdec.engines.engine import MAX_BATCHED_QUERY, Engine
-from specdec.engines.grammar import Grammars, PositionedMatchers
+from specdec.engines.grammar import Grammars, PositionedMatchers, is_allowed
 from specdec.engines.graphs import CallGraphs, fits
 from specdec.engines.sampling import RowSampling, choose_tokens
 from specdec.engines.wire import (
@@ -91,11 +91,13 @@ def _choose(
         torch.from_numpy(positions.astype(np.int64)),
         None if wanted is None else wanted.to(logits.device),
     )
-    if controls is not None and controls.allowed is not None:
-        chosen = controls.allowed.gather(1, tokens[controls.rows].long().unsqueeze(1))[:, 0]
-        tokens[controls.rows[~chosen]] = NO_TOKEN  # nothing the grammar allows was left
+    chosen = tokens.cpu().numpy().astype(np.int32)
+    if controls is not None and controls.bitmask is not None and controls.guided_rows is not None:
+        guided = controls.guided_rows.cpu().numpy()
+        left = ~is_allowed(controls.bitmask, guided, chosen[guided])
+        chosen[guided[left]] = NO_TOKEN  # nothing the grammar allows was left to choose
     values = None if log_probs is None else log_probs.cpu().numpy()
-    return tokens.cpu().numpy().astype(np.int32), values
+    return chosen, values
 
 
 def run_target(

@@ -40,7 +40,7 @@ import torch
 from specdec.engines.grammar import (
     Guide,
     PositionedMatchers,
-    allowed_tokens,
+    apply_bitmask,
     fill_allowed,
     new_bitmask,
 )
@@ -60,7 +60,10 @@ class LogitControls:
     frequency: torch.Tensor  # (R,) float32
     bias_ids: torch.Tensor  # (R, P) int64 (padding: token 0)
     bias_values: torch.Tensor  # (R, P) float32 (padding: 0)
-    allowed: torch.Tensor | None = None  # (R, V) bool: what guided rows' grammars allow
+    # Guided rows: their logits rows (G,) int64, and what their grammars allow, (N, words)
+    # int32 bitmasks on the host, a line per logits row (specdec/engines/grammar.py).
+    guided_rows: torch.Tensor | None = None
+    bitmask: torch.Tensor | None = None
 
 
 @torch.inference_mode()  # engines' logits are inference tensors: changed in place here
@@ -70,20 +73,21 @@ def apply_controls(logits: torch.Tensor, controls: LogitControls | None) -> torc
     if controls is None:
         return logits
     logits = logits.float()
-    rows = logits[controls.rows]  # (R, V), a copy
-    rows.scatter_add_(1, controls.bias_ids, controls.bias_values)
-    if controls.token_ids.shape[1]:
-        seen = rows.gather(1, controls.token_ids)  # (R, U)
-        repetition = controls.repetition[:, None]
-        repeated = torch.where(seen > 0, seen / repetition, seen * repetition)
-        seen = torch.where(controls.appeared, repeated, seen)
-        occurrences = controls.occurrences
-        seen = seen - controls.presence[:, None] * (occurrences > 0).float()
-        seen = seen - controls.frequency[:, None] * occurrences
-        rows.scatter_(1, controls.token_ids, seen)
-    if controls.allowed is not None:
-        rows.masked_fill_(~controls.allowed, float("-inf"))
-    logits[controls.rows] = rows
+    if controls.token_ids.shape[1] or controls.bias_ids.shape[1]:
+        rows = logits[controls.rows]  # (R, V), a copy
+        rows.scatter_add_(1, controls.bias_ids, controls.bias_values)
+        if controls.token_ids.shape[1]:
+            seen = rows.gather(1, controls.token_ids)  # (R, U)
+            repetition = controls.repetition[:, None]
+            repeated = torch.where(seen > 0, seen / repetition, seen * repetition)
+            seen = torch.where(controls.appeared, repeated, seen)
+            occurrences = controls.occurrences
+            seen = seen - controls.presence[:, None] * (occurrences > 0).float()
+            seen = seen - controls.frequency[:, None] * occurrences
+            rows.scatter_(1, controls.token_ids, seen)
+        logits[controls.rows] = rows
+    if controls.bitmask is not None and controls.guided_rows is not None:
+        apply_bitmask(logits, controls.bitmask, controls.guided_rows)
     return logits
 
 
@@ -132,7 +136,7 @@ class CallControls:
         vocab_size, device = logits.shape[-1], logits.device
         parts = [self._row(int(rows[i]), int(positions[i]), written, vocab_size) for i in chosen]
         batch = self.batch
-        allowed = self._allowed(rows[chosen], [p[3] for p in parts], vocab_size, device)
+        guided, bitmask = self._bitmask(rows, chosen, [p[3] for p in parts])
         seen = [p[0] for p in parts]
         token_ids, (appeared, occurrences) = _padded(
             [s[0] for s in seen], [s[1] for s in seen], [s[2] for s in seen]
@@ -155,29 +159,31 @@ class CallControls:
             frequency=tensor(batch.frequency_penalty[at], torch.float32),
             bias_ids=tensor(bias_ids, torch.int64),
             bias_values=tensor(bias_values, torch.float32),
-            allowed=allowed,
+            guided_rows=None if guided is None else tensor(guided, torch.int64),
+            bitmask=bitmask,
         )
 
-    def _allowed(
-        self, rows: np.ndarray, before: list[tuple[int, np.ndarray]], vocab_size: int, device
-    ) -> torch.Tensor | None:
-        """(R, V) bool: the tokens each guided row's grammar allows after its output before
-        the position (`before`: each row's first sequence position and tokens from there);
-        None where no row is guided."""
-        guided = [i for i, row in enumerate(rows) if int(row) in self.guides]
-        if not guided:
-            return None
+    def _bitmask(
+        self, rows: np.ndarray, chosen: np.ndarray, before: list[tuple[int, np.ndarray]]
+    ) -> tuple[np.ndarray | None, torch.Tensor | None]:
+        """The guided logits rows among `chosen` (indices into `rows`, each logits row's batch
+        row), and a bitmask (N, words) whose line for each is what its grammar allows after
+        its output before the position (`before`, per chosen row: its first sequence position
+        and tokens from there); (None, None) where no row is guided."""
+        lines = [j for j, i in enumerate(chosen) if int(rows[i]) in self.guides]
+        if not lines:
+            return None, None
         assert self.matchers is not None  # checked in __init__
         bitmask = new_bitmask(len(rows), self.matchers.grammars.vocab_size)
-        for i in guided:
-            row = int(rows[i])
+        for j in lines:
+            i, row = int(chosen[j]), int(rows[chosen[j]])
             guide, start = self.guides[row]
-            first, tokens = before[i]
+            first, tokens = before[j]
             key = (self.role, int(self.batch.slot_ids[row]))
             output = tokens[max(start - first, 0) :].tolist()
             matcher = self.matchers.at(key, guide, int(self.batch.end_ids[row]), output)
             fill_allowed(matcher, bitmask, i)
-        return allowed_tokens(bitmask.to(device), vocab_size)
+        return chosen[lines], bitmask
 
     def _row(self, row: int, position: int, written: Callable[[int], np.ndarray], vocab_size: int):
         """Row `row`'s tokens seen before `position` ((ids, appeared, occurrences)), its
@@ -202,7 +208,12 @@ class CallControls:
         bias_values = np.concatenate(
             [self.bias_values[row], np.full(len(banned), -np.inf, dtype=np.float32)]
         )
-        seen = ids < vocab_size
+        penalized = (
+            batch.repetition_penalty[row] != 1
+            or batch.presence_penalty[row] != 0
+            or batch.frequency_penalty[row] != 0
+        )
+        seen = (ids < vocab_size) & penalized  # a row without penalties counts nothing
         biased = bias_ids < vocab_size
         return (
             (ids[seen], appeared[seen], occurrences[seen]),

@@ -162,15 +162,25 @@ def fill_allowed(matcher, bitmask: torch.Tensor, index: int) -> None:
         matcher.fill_next_token_bitmask(bitmask, index)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(R, words) int32 -> (R, vocab_size) bool, on the bitmask's device."""
-    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (R, words, 32), lowest bit first
-    allowed = bits.reshape(bitmask.shape[0], -1).bool()
-    if allowed.shape[1] >= vocab_size:
-        return allowed[:, :vocab_size]
-    padding = allowed.new_zeros((allowed.shape[0], vocab_size - allowed.shape[1]))
-    return torch.cat([allowed, padding], dim=1)
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Sets to -inf, in place, each token its bitmask line forbids in logits rows `rows` (G,)
+    int64; bitmask (N, words) int32 on the host, a line per logits row (xgrammar's kernel:
+    about a millisecond for 16 rows of 49,152 tokens on 2 cores, where unpacking the bits
+    with torch took 20)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(
+        logits,
+        bitmask.to(logits.device),
+        vocab_size=logits.shape[-1],
+        indices=rows.tolist(),
+    )
+
+
+def is_allowed(bitmask: torch.Tensor, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """(G,) bool: whether bitmask lines `rows` allow their tokens (G,)."""
+    words = bitmask.numpy().view(np.uint32)[rows, tokens // BITS]
+    return (words >> (tokens % BITS).astype(np.uint32)) & 1 == 1
 
 
 def forced_tokens(matcher, vocab_size: int, limit: int) -> list[int]:

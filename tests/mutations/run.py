@@ -215,6 +215,22 @@ MUTANTS = [
         tests=("tests/test_controls.py",),
     ),
     Mutant(
+        "guide-misses-first-output-token",
+        "a guided row's grammar reads its output from the second token on",
+        "specdec/engines/controls.py",
+        "output = tokens[max(start - first, 0) :].tolist()",
+        "output = tokens[max(start - first + 1, 0) :].tolist()",
+        tests=("tests/test_guided.py",),
+    ),
+    Mutant(
+        "grammar-proposes-a-choice",
+        "the grammar proposer proposes the first allowed token where the grammar allows several",
+        "specdec/engines/grammar.py",
+        "if len(nonzero) != 1 or words[nonzero[0]] & (words[nonzero[0]] - np.uint32(1)):",
+        "if len(nonzero) == 0:",
+        tests=("tests/test_guided.py",),
+    ),
+    Mutant(
         "stop-word-lookback-short",
         "stop words look back len(word) - 2 characters: a word whose last character alone is new"
         " goes unseen",

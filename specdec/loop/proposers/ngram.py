@@ -40,18 +40,22 @@ class NgramIndex:
     _latest: dict[tuple[int, ...], int] = field(default_factory=dict)
     _indexed: int = 0  # positions < this have their n-grams in _latest
 
-    def propose(self, token_ids: Sequence[int], max_draft_tokens: int) -> list[int]:
+    def propose(
+        self, token_ids: Sequence[int], max_draft_tokens: int, then: Sequence[int] = ()
+    ) -> list[int]:
         """Up to `max_draft_tokens` tokens that followed the latest earlier occurrence of the
-        longest matching suffix of `token_ids` (prompt + output); [] without a match."""
+        longest matching suffix of `token_ids` (prompt + output) followed by `then` (tokens
+        proposed ahead of these, looked up but not indexed); [] without a match."""
         self.match_length = 0
         if max_draft_tokens <= 0:
             return []
         self._extend(token_ids)
-        length = len(token_ids)
+        text = list(token_ids[-max(self.match_lengths) :]) + list(then) if then else token_ids
+        length = len(text)
         for n in self.match_lengths:
-            if n >= length:
+            if n >= length or n >= len(token_ids) + len(then):
                 continue
-            start = self._latest.get(tuple(token_ids[length - n :]))
+            start = self._latest.get(tuple(text[length - n :]))
             if start is not None:
                 self.match_length = n
                 return list(token_ids[start : start + max_draft_tokens])
