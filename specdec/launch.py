@@ -46,6 +46,7 @@ def supervise(
     stop_grace_s: float = STOP_GRACE_S,
     exit_when_unready: bool = True,
     companions: Sequence[subprocess.Popen] = (),
+    signalled: list[int] | None = None,
 ) -> int:
     """Runs tritonserver as a child beside `companions` (the OpenAI API) and passes SIGTERM /
     SIGINT on to all of them; returns 0 once they have stopped on one. A child that exits
@@ -57,21 +58,27 @@ def supervise(
     server that has not exited `stop_grace_s` after SIGTERM is killed, stubs and all: with
     the BLS's stub dead (the engines' process), a stream through the ensemble is never
     released and tritonserver hung past its own exit timeout; killed, it closes the
-    streams, so their clients hear."""
+    streams, so their clients hear. signalled: the list that the caller's own handlers fill
+    until these take over; a signal that came meanwhile is passed on at once."""
     process = subprocess.Popen(command, env=env, preexec_fn=end_with_parent)
     children = [process, *companions]
-    signalled: list[int] = []
+    signalled = [] if signalled is None else signalled  # the caller's handlers append to it
 
-    def forward(signum, _frame) -> None:
+    def pass_on() -> None:
         # SIGTERM whichever came: after Ctrl-C the children have had SIGINT from the terminal
         # too, and a second SIGINT tells uvicorn to stop without waiting for its streams.
-        signalled.append(signum)
         for child in children:
             if child.poll() is None:
                 child.terminate()
 
+    def forward(signum, _frame) -> None:
+        signalled.append(signum)
+        pass_on()
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    if signalled:  # one came while the children started, before these handlers
+        pass_on()
     stubs: list[int] = []  # the stub processes, once the server is ready
     misses, next_poll = 0, time.monotonic() + poll_s
     while not signalled and all(child.poll() is None for child in children):
@@ -160,19 +167,19 @@ def main() -> None:
         config = ServerConfig.from_env()
     except ValueError as error:  # a bad setting, named: refused before the server starts
         sys.exit(f"specdec.launch: {error}")
-    early: list[int] = []  # a signal before anything runs: stop there, quietly
+    early: list[int] = []  # a signal before the server runs: stop there, quietly
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, _frame: early.append(signum))
     if not memory_fits(os.environ, 1, config.source_repository):  # its line is on stderr
         sys.exit(0 if early else 2)
+    command, env = server_command(config)
+    if early:
+        sys.exit(0)
     print(
         f"tritonserver on {config.address}: HTTP {config.http_port}, gRPC {config.grpc_port}, "
         f"metrics {config.metrics_port}; {access_summary(config)} (Ctrl-C stops it)",
         flush=True,
     )
-    command, env = server_command(config)
-    if early:
-        sys.exit(0)
     companions = [start_openai_api()] if args.openai else []
     sys.exit(
         supervise(
@@ -182,6 +189,7 @@ def main() -> None:
             stop_grace_s=config.stop_s,
             exit_when_unready=args.exit_when_unready,
             companions=companions,
+            signalled=early,
         )
     )
 

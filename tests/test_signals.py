@@ -1,14 +1,15 @@
 """`make serve` stops on SIGINT or SIGTERM at every moment of its life: every process it
-started ends within 10 s, the launcher exits 0, nothing is left listening and nothing on
-stdout or stderr is an error or a traceback.
+started ends within 10 s, the launcher exits 0, nothing is left listening and nothing
+printed after the signal is an error or a traceback.
 
 Each test runs `python -m specdec.launch --openai` (what `make serve` runs) in a session of
-its own, small (4 slots, no start-up measurement), and signals it at one moment: while the
-models load, once Triton is ready but before the OpenAI API listens, idle, and under load
-with gRPC streams to Triton and HTTP streams through the OpenAI API open (each must end
-with a final response or error, not hang). Ctrl-C is SIGINT to the whole process group (the
-terminal sends it to every process); `kill` and make's forwarding reach the launcher alone.
-One more: a Triton that fails to start takes the OpenAI API with it.
+its own, small (8 slots: one per stream of the load test; no start-up measurement), and
+signals it at one moment: while the models load, once Triton is ready but before the
+OpenAI API listens, idle, and under load with gRPC streams to Triton and HTTP streams
+through the OpenAI API and to Triton's own HTTP endpoint open (each must get its final
+response or error, not hang). Ctrl-C is SIGINT to the whole process group (the terminal
+sends it to every process); `kill` and make's forwarding reach the launcher alone. One
+more: a Triton that fails to start takes the OpenAI API with it.
 
 `SIGNALS_REPLICAS=2 pytest tests/test_signals.py` runs the same tests against `make serve
 REPLICAS=2` (the gateway, specdec/gateway/serve.py; HAProxy needed): two servers at once, so
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.server
 
 REPLICAS = int(os.environ.get("SIGNALS_REPLICAS", "1"))
 # float32 as the committed configs (make exports DTYPE=auto); no start-up measurement.
-SMALL = {"NUM_SLOTS": "4", "MAX_CONTEXT": "256", "DTYPE": "float32", "CALIBRATION_SECONDS": "0"}
+SMALL = {"NUM_SLOTS": "8", "MAX_CONTEXT": "256", "DTYPE": "float32", "CALIBRATION_SECONDS": "0"}
 STOP_S = 10.0
 BLS = "speculative_decoding"
 # What must not appear in any output of a stop: a traceback, Triton's error lines

@@ -181,7 +181,7 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
     with Gateway(config) as gateway:
         _print_layout(config, run_dir)
         while not stopping:
-            time.sleep(1.0)
+            time.sleep(0.2)  # a signal is passed on within this
             for replica in replicas:
                 code = processes[replica.name].poll()
                 if code is not None and not stopping:
