@@ -56,6 +56,9 @@ class Gateway:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             preexec_fn=end_with_parent,
+            # Not the terminal's Ctrl-C: HAProxy would drop every stream at once, before the
+            # replicas' final responses; stop() ends it once they have.
+            start_new_session=True,
         )
         deadline = time.time() + timeout
         while not all(port_open(p) for p in (config.grpc_port, config.stats_port)):
