@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 
 from specdec.processes import (
     descendant_pids,
@@ -60,7 +61,9 @@ def supervise(
     released and tritonserver hung past its own exit timeout; killed, it closes the
     streams, so their clients hear. signalled: the list that the caller's own handlers fill
     until these take over; a signal that came meanwhile is passed on at once."""
-    process = subprocess.Popen(command, env=env, preexec_fn=end_with_parent)
+    # A session of its own: the terminal's Ctrl-C reaches this process, which passes it on,
+    # and not Triton's Python stubs, where it interrupted whatever they were importing.
+    process = subprocess.Popen(command, env=env, preexec_fn=end_with_parent, start_new_session=True)
     children = [process, *companions]
     signalled = [] if signalled is None else signalled  # the caller's handlers append to it
 
@@ -119,22 +122,24 @@ def supervise(
 
 
 def stop(process: subprocess.Popen, grace_s: float, already_signalled: bool = False) -> bool:
-    """SIGTERM (unless it has had a signal already), then SIGKILL to it and every process under
-    it after `grace_s` seconds. Returns whether it had to kill them."""
-    stubs = descendant_pids(process.pid)
-    if process.poll() is not None:
-        return False
-    if not already_signalled:
-        process.terminate()
-    try:
-        process.wait(timeout=grace_s)
-        return False
-    except subprocess.TimeoutExpired:
-        for pid in [process.pid, *stubs]:
-            if process_alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        process.wait()
-        return True
+    """SIGTERM (unless it has had a signal already), then SIGKILL after `grace_s` seconds;
+    what is left of its process group then (its Python stubs) is killed too. Returns whether
+    tritonserver itself had to be killed."""
+    killed = False
+    if process.poll() is None:
+        if not already_signalled:
+            process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            killed = True
+    # Killed by SIGTERM while it loads its models (its handler comes after), Triton leaves
+    # its stubs running, orphaned: they share its process group (supervise's session).
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return killed
 
 
 def _end_all(companions: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:
