@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,7 +59,8 @@ class Serve:
         if taken_grpc_port is not None:
             self.ports["GRPC_PORT"] = taken_grpc_port
         run_dir = PROJECT_ROOT / ".run" / name
-        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a replica's log is appended to
+        run_dir.mkdir(parents=True)
         settings = {**SMALL, **{k: str(v) for k, v in self.ports.items()}, "RUN_DIR": str(run_dir)}
         if replicas == 1:
             command = [sys.executable, "-m", "specdec.launch", "--openai"]
@@ -69,8 +71,11 @@ class Serve:
             self.ports.update({f"replica port {p}": p for p in replica_ports})
             command = [sys.executable, "-m", "specdec.gateway", "serve", "--openai"]
             command += ["--replicas", str(replicas)]
-        self.out_path, self.err_path = run_dir / "stdout", run_dir / "stderr"
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+        out_path, err_path = run_dir / "stdout", run_dir / "stderr"
+        # What it prints, and its replicas' logs (the gateway writes those to files).
+        replica_logs = [run_dir / f"replica{i}" / "server.log" for i in range(replicas)]
+        self.logs = [out_path, err_path, *(replica_logs if replicas > 1 else [])]
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
             self.process = subprocess.Popen(
                 command,
                 env={**os.environ, **settings},
@@ -106,14 +111,23 @@ class Serve:
                 continue
         return {pid for pid in pids if process_alive(pid)}
 
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace") + self.err_path.read_text(errors="replace")
+    def log_sizes(self) -> list[int]:
+        return [path.stat().st_size if path.exists() else 0 for path in self.logs]
+
+    def output(self, since: list[int] | None = None) -> str:
+        """Its logs, each from byte `since[i]` on (default: whole)."""
+        starts = since or [0] * len(self.logs)
+        return "".join(
+            path.read_bytes()[start:].decode(errors="replace")
+            for path, start in zip(self.logs, starts, strict=True)
+            if path.exists()
+        )
 
     def stop_with(self, signum: int, whole_group: bool) -> float:
         """Sends `signum` (to the process group: Ctrl-C; else the launcher alone) and checks
         the stop; returns the seconds until the last process had ended."""
         started = self.processes()
-        before = len(self.output())  # Triton's start says "E... CudaDriverHelper" on a CPU
+        before = self.log_sizes()  # Triton's start says "E... CudaDriverHelper" on a CPU
         sent = time.monotonic()
         if whole_group:
             os.killpg(self.process.pid, signum)
@@ -131,7 +145,7 @@ class Serve:
         assert code == 0, self.output()
         assert seconds < STOP_S
         assert [p for p, port in self.ports.items() if port_open(port)] == []
-        assert not ERROR_LINE.search(self.output()[before:]), self.output()
+        assert not ERROR_LINE.search(self.output(since=before)), self.output()
         return seconds
 
     def kill(self) -> None:
