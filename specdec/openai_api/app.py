@@ -453,13 +453,15 @@ def run(config: ApiConfig) -> None:
     print(f"openai_api on http://{config.host}:{config.port}/v1 (Triton {config.triton_url})")
     print(f"openai_api: {config.keys.describe()}")
     sys.stdout.flush()
-    # Streams still open at shutdown are cut after 5 s (which cancels their generations).
+    # Streams still open at shutdown are cut after 8 s (which cancels their generations):
+    # under `make serve` Triton ends each one sooner with an error that goes out as an
+    # event (its drain; at the latest the launcher ends Triton 7 s after the signal).
     uvicorn_config = uvicorn.Config(
         create_app(config),
         host=config.host,
         port=config.port,
         log_level="info",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=8,
     )
     # uvicorn passes a SIGINT on (KeyboardInterrupt) once it has shut down, as for SIGTERM.
     with suppress(KeyboardInterrupt):
