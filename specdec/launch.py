@@ -118,7 +118,7 @@ def supervise(
     _end_all(companions)
     if signalled or ended is None:
         return 0
-    return ended.returncode if ended.returncode > 0 else 1
+    return ended.returncode if ended.returncode >= 0 else 1  # < 0: a signal ended it
 
 
 def stop(process: subprocess.Popen, grace_s: float, already_signalled: bool = False) -> bool:
@@ -176,7 +176,7 @@ def main() -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, _frame: early.append(signum))
     if not memory_fits(os.environ, 1, config.source_repository):  # its line is on stderr
-        sys.exit(0 if early else 2)
+        sys.exit(2)
     command, env = server_command(config)
     if early:
         sys.exit(0)
