@@ -125,16 +125,7 @@ def stop(process: subprocess.Popen, grace_s: float, already_signalled: bool = Fa
     """SIGTERM (unless it has had a signal already), then SIGKILL after `grace_s` seconds;
     what is left of its process group then (its Python stubs) is killed too. Returns whether
     tritonserver itself had to be killed."""
-    killed = False
-    if process.poll() is None:
-        if not already_signalled:
-            process.terminate()
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            killed = True
+    killed = terminate(process, grace_s, signalled=already_signalled)
     # Killed by SIGTERM while it loads its models (its handler comes after), Triton leaves
     # its stubs running, orphaned: they share its process group (supervise's session).
     with suppress(ProcessLookupError):
