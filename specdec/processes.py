@@ -28,16 +28,20 @@ def end_with_parent() -> None:
         pass
 
 
-def terminate(process: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; reaps it."""
+def terminate(process: subprocess.Popen, timeout: float, signalled: bool = False) -> bool:
+    """SIGTERM (unless `signalled`: it has had one), then SIGKILL if it has not exited within
+    `timeout` seconds; reaps it. Returns whether it had to be killed."""
     if process.poll() is not None:
-        return
-    process.terminate()
+        return False
+    if not signalled:
+        process.terminate()
     try:
         process.wait(timeout=timeout)
+        return False
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+        return True
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -35,6 +35,7 @@ from specdec.processes import end_with_parent
 from specdec.serving.settings import (
     BLS_MODEL,
     DRAFT_CHECKPOINT,
+    DRAIN_VARIABLE,
     SETTINGS,
     TARGET_CHECKPOINT,
     model_settings,
@@ -62,7 +63,15 @@ class ServerConfig:
     source_repository: Path = SOURCE_REPOSITORY
     # The declared settings set in the environment: model name -> {parameter: value}
     parameters: dict[str, dict[str, str]] = field(default_factory=dict)
-    exit_timeout_s: int = 30
+    # On SIGTERM / SIGINT, running streams get drain_s to finish, then end with "server is
+    # shutting down" (speculative_decoding). The launcher ends a tritonserver still running
+    # stop_s after the signal: by then only clients that keep their gRPC streams open after
+    # the final response hold it (Triton 2.51 waits for them), and Triton's own exit timeout,
+    # later, would end it with an error. So `make serve` stops within 10 s
+    # (docs/operations.md, Faults).
+    drain_s: float = 2.0
+    stop_s: float = 7.0
+    exit_timeout_s: int = 9
     inference_key: str | None = field(default=None, repr=False)  # TRITON_INFERENCE_KEY
     admin_key: str | None = field(default=None, repr=False)  # TRITON_ADMIN_KEY
     grpc_ssl_cert: Path | None = None  # GRPC_SSL_CERT, with GRPC_SSL_KEY: gRPC over TLS
@@ -248,6 +257,7 @@ def server_command(config: ServerConfig) -> tuple[list[str], dict[str, str]]:
     # speculative_decoding asks Triton's readiness on this port before its first BLS call
     # (specdec/serving/bls_model.py, the start-up cost measurement).
     env["SPECDEC_HTTP_PORT"] = str(config.http_port)
+    env[DRAIN_VARIABLE] = str(config.drain_s)
     return command, env
 
 
@@ -270,7 +280,9 @@ def memory_fits(
     as the server, should not carry (a CUDA context costs about 0.5 GiB of the GPU)."""
     command = [sys.executable, "-m", "specdec.serving.memory_check", "--replicas", str(replicas)]
     command += ["--max-draft-tokens", str(max_draft_tokens(source_repository))]
-    return subprocess.run(command, env=dict(env)).returncode == 0
+    # A session of its own: Ctrl-C reaches the launcher, which stops once the check is over,
+    # and not this child, where it would print a KeyboardInterrupt from inside torch's import.
+    return subprocess.run(command, env=dict(env), start_new_session=True).returncode == 0
 
 
 def start(config: ServerConfig, log_file=None) -> subprocess.Popen:

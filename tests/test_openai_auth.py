@@ -474,8 +474,9 @@ def test_good_settings_start_and_log_no_key(tmp_path):
         time.sleep(1.0)
         assert process.poll() is None  # waits for Triton
     finally:
-        process.kill()  # SIGTERM waits for the start-up, which waits for Triton
+        process.terminate()  # waiting for Triton, it stops at once (tests/test_signals.py)
         stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
     assert KEY_A not in "".join(lines) + stdout + stderr
     assert KEY_B not in "".join(lines) + stdout + stderr
 

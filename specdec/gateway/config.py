@@ -164,11 +164,16 @@ def _key_table(security: GatewaySecurity) -> list[str]:
 
 
 def _backend(
-    name: str, servers: list[str], check: GatewayConfig, balance: str = "leastconn"
+    name: str,
+    servers: list[str],
+    check: GatewayConfig,
+    balance: str = "leastconn",
+    options: tuple[str, ...] = (),
 ) -> list[str]:
     return [
         f"backend {name}",
         f"    balance {balance}",
+        *[f"    option {option}" for option in options],
         "    option httpchk",
         f"    http-check send meth GET uri {HEALTH_PATH}",
         "    http-check expect status 200",
@@ -177,6 +182,13 @@ def _backend(
         *[f"    {line}" for line in servers],
         "",
     ]
+
+
+def _http_backend(servers: list[str], check: GatewayConfig) -> list[str]:
+    """Each HTTP request on a connection of its own to the replica: a stopping Triton waits
+    for every open HTTP connection, and idle ones kept for reuse held it to its exit
+    timeout."""
+    return _backend("triton_http", servers, check, options=("http-server-close",))
 
 
 def _grpc_backends(servers: list[str], check: GatewayConfig) -> list[str]:
@@ -205,7 +217,7 @@ def _replica_backends(config: GatewayConfig, server_options: str = "") -> list[s
     http = [
         f"server {r.name} {r.host}:{r.http_port}{server_options} check" for r in config.replicas
     ]
-    lines = _grpc_backends(grpc, config) + _backend("triton_http", http, config)
+    lines = _grpc_backends(grpc, config) + _http_backend(http, config)
     return lines + _key_table(config.security)
 
 
@@ -238,7 +250,7 @@ def render_kubernetes_config() -> str:
         " proto h2 check port 8000 check-proto h1"
     ]
     http = [f'server-template triton 1-{MAX_PODS} "{HEADLESS_NAME}:8000" {dns} check']
-    lines += _grpc_backends(grpc, config) + _backend("triton_http", http, config)
+    lines += _grpc_backends(grpc, config) + _http_backend(http, config)
     return "\n".join(lines)
 
 

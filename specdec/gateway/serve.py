@@ -56,6 +56,9 @@ class Gateway:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             preexec_fn=end_with_parent,
+            # Not the terminal's Ctrl-C: HAProxy would drop every stream at once, before the
+            # replicas' final responses; stop() ends it once they have.
+            start_new_session=True,
         )
         deadline = time.time() + timeout
         while not all(port_open(p) for p in (config.grpc_port, config.stats_port)):
@@ -170,25 +173,27 @@ def serve(num_replicas: int, env: dict[str, str], openai: bool = False) -> int:
         run_dir=run_dir / "gateway",
         security=security,
     )
-    processes = {r.name: start_replica(r, env, run_dir / r.name) for r in replicas}
-    if openai:  # it reads GRPC_PORT and HTTP_PORT: the gateway's
-        command = [sys.executable, "-m", "specdec.openai_api"]
-        subprocess.Popen(command, env=client_env, preexec_fn=end_with_parent)
-    stopping: list[int] = []
+    stopping: list[int] = []  # before any child starts: a signal stops them all
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda signum, _frame: stopping.append(signum))
+    processes = {r.name: start_replica(r, env, run_dir / r.name) for r in replicas}
+    companions = []
+    if openai:  # it reads GRPC_PORT and HTTP_PORT: the gateway's
+        command = [sys.executable, "-m", "specdec.openai_api"]
+        companions.append(subprocess.Popen(command, env=client_env, preexec_fn=end_with_parent))
     with Gateway(config) as gateway:
         _print_layout(config, run_dir)
         while not stopping:
-            time.sleep(1.0)
+            time.sleep(0.2)  # a signal is passed on within this
             for replica in replicas:
                 code = processes[replica.name].poll()
                 if code is not None and not stopping:
                     print(f"{replica.name} exited ({code}); starting it again", flush=True)
                     processes[replica.name] = start_replica(replica, env, run_dir / replica.name)
-        for process in processes.values():
+        children = [*processes.values(), *companions]
+        for process in children:
             process.send_signal(signal.SIGTERM)
-        for process in processes.values():
+        for process in children:  # each stops within its own grace (specdec/launch.py)
             process.wait()
         gateway.stop()
     return 0

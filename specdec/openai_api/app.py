@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import AsyncGenerator, Awaitable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -97,6 +98,7 @@ class ApiConfig:
 
 
 PORTS = (("OPENAI_PORT", 9000), ("GRPC_PORT", 8001))  # its own, and Triton's gRPC
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _port(env: dict[str, str], name: str, default: int) -> int:
@@ -124,10 +126,8 @@ class Backend:
 
     async def start(self, poll_s: float = 1.0) -> None:
         """Waits for the BLS to be ready (Triton may still be loading), then reads its config."""
-        access = self.config.access
-        self.client = grpcaio.InferenceServerClient(self.config.triton_url, **access.client_kwargs)
-        while not await self.ready():
-            await asyncio.sleep(poll_s)
+        await self.wait_ready(poll_s)
+        assert self.client is not None  # made by wait_ready
         response = await self.client.get_model_config(
             self.config.bls_model, as_json=True, headers=self.headers
         )
@@ -141,6 +141,12 @@ class Backend:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, str(checkpoint))
         self.model_name = self.config.model_name or checkpoint.name.removesuffix(".gguf")
         print(f"openai_api: serving {self.model_name} from {self.config.triton_url}", flush=True)
+
+    async def wait_ready(self, poll_s: float = 1.0) -> None:
+        access = self.config.access
+        self.client = grpcaio.InferenceServerClient(self.config.triton_url, **access.client_kwargs)
+        while not await self.ready():
+            await asyncio.sleep(poll_s)
 
     async def ready(self) -> bool:
         if self.client is None:  # not started
@@ -278,8 +284,25 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-class ClientGone(Exception):
+class Interrupted(Exception):
     pass
+
+
+class ClientGone(Interrupted):
+    pass
+
+
+async def unless(work: Awaitable[T], interruption: Awaitable[object]) -> T:
+    """Awaits `work`; when `interruption` ends first, cancels it and raises Interrupted."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(interruption)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        raise Interrupted
+    return task.result()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -290,15 +313,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        raise ClientGone
-    return task.result()
+        return await unless(work, disconnected())
+    except Interrupted:
+        raise ClientGone from None
 
 
 async def serve(generation: Generation, request: Request) -> Response:
@@ -435,14 +453,41 @@ def run(config: ApiConfig) -> None:
     print(f"openai_api on http://{config.host}:{config.port}/v1 (Triton {config.triton_url})")
     print(f"openai_api: {config.keys.describe()}")
     sys.stdout.flush()
-    # Streams still open at shutdown are cut after 5 s (which cancels their generations).
-    uvicorn.run(
+    # Streams still open at shutdown are cut after 8 s (which cancels their generations):
+    # under `make serve` Triton ends each one sooner with an error that goes out as an
+    # event (its drain; at the latest the launcher ends Triton 7 s after the signal).
+    uvicorn_config = uvicorn.Config(
         create_app(config),
         host=config.host,
         port=config.port,
         log_level="info",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=8,
     )
+    # uvicorn passes a SIGINT on (KeyboardInterrupt) once it has shut down, as for SIGTERM.
+    with suppress(KeyboardInterrupt):
+        asyncio.run(serve_when_ready(config, uvicorn.Server(uvicorn_config)))
+
+
+async def serve_when_ready(config: ApiConfig, server: uvicorn.Server) -> None:
+    """Serves once Triton is ready; SIGINT or SIGTERM before then ends it at once. (uvicorn
+    hears a signal during the application's start-up, which waits for Triton, only when the
+    start-up has returned: a Triton that was gone kept this process waiting forever.)"""
+    probe = Backend(config)
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, signalled.set)
+    try:
+        await unless(probe.wait_ready(), signalled.wait())
+    except Interrupted:
+        return
+    finally:
+        for signum, handler in previous.items():
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, handler)  # asyncio would leave SIGINT a KeyboardInterrupt
+        await probe.close()
+    await server.serve()  # its own start-up now finds Triton ready
 
 
 def main() -> None:

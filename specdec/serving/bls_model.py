@@ -43,7 +43,7 @@ from specdec.serving.metric_names import request_outcome
 from specdec.serving.metrics import LoopMetrics
 from specdec.serving.outbox import Outbox, Work
 from specdec.serving.responses import StreamHold, response_arrays
-from specdec.serving.settings import decide_response_thread, usable_cores
+from specdec.serving.settings import DRAIN_VARIABLE, decide_response_thread, usable_cores
 from specdec.text.request import Guide, InvalidInput, parse_requests
 from specdec.text.tokenizer import load_tokenizer
 
@@ -57,10 +57,10 @@ RUNNING_CANCEL_CHECKS = 16
 # asks meanwhile.
 SERVER_WAIT_S = 600.0
 SERVER_POLL_S = 0.2
-# Once the server stops being ready (SIGTERM: Triton waits up to its exit timeout, 30 s here,
-# for requests in flight, then exits without unloading), running requests get this long to
-# finish; the rest end with "server is shutting down" before Triton gives up on them. How
-# often the health is asked meanwhile:
+# Once the server stops being ready (SIGTERM: Triton waits up to its exit timeout, 30 s in the
+# container, for requests in flight, then exits without unloading), running requests get this
+# long to finish (the launcher's servers: SPECDEC_DRAIN_S, shorter); the rest end with "server
+# is shutting down" before Triton gives up on them. How often the health is asked meanwhile:
 DRAIN_S = 20.0
 HEALTH_POLL_S = 1.0
 
@@ -236,17 +236,19 @@ class TritonPythonModel:
 
     def _watch_health(self) -> None:
         """The engines live in this process, so nothing here fails when the server starts
-        stopping: once its health, ready before, turns not ready, the loop drains (DRAIN_S)."""
+        stopping: once its health, ready before, turns not ready, the loop drains (DRAIN_S,
+        or SPECDEC_DRAIN_S)."""
         url, was_ready = health_url(), False
+        drain_s = float(os.environ.get(DRAIN_VARIABLE, DRAIN_S))
         while not self.stopping:
             time.sleep(HEALTH_POLL_S)
             ready = server_ready(url)
             if was_ready and not ready:
                 with self.lock:
-                    self.drain_deadline = time.monotonic() + DRAIN_S
+                    self.drain_deadline = time.monotonic() + drain_s
                     self.lock.notify()
                 pb_utils.Logger.log_info(
-                    f"speculative_decoding: the server is stopping; {DRAIN_S:.0f} s to finish"
+                    f"speculative_decoding: the server is stopping; {drain_s:g} s to finish"
                 )
                 return
             was_ready = was_ready or ready

@@ -276,6 +276,9 @@ def parse_private_key_file(name: str, value: str) -> Path:
 # -- the declarations ------------------------------------------------------------------------
 
 BLS_MODEL, PREPROCESSING = "speculative_decoding", "preprocessing"
+# Not a model setting: the launcher tells the BLS's process how long running streams may
+# finish once the server stops (ServerConfig.drain_s); unset, DRAIN_S of bls_model.py.
+DRAIN_VARIABLE = "SPECDEC_DRAIN_S"
 # The engines live in the BLS's process (one process, one CUDA context): their settings are
 # its parameters. draft_model and target_model only forward calls to it.
 
