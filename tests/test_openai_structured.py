@@ -62,7 +62,35 @@ TOOLS = [
 ]
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+# An agent's earlier exchange: one worked call and its result. The 135M target does not
+# write a call unasked (tool_choice "auto"), and repeats calls under "required", without one.
+EARLIER = [
+    {"role": "user", "content": "What is the weather in Rome, in celsius?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_rome",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": '{"city": "Rome", "unit": "celsius"}',
+                },
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_rome", "content": "Sunny, 24 degrees celsius."},
+    {"role": "assistant", "content": "It is sunny in Rome, 24 degrees celsius."},
+]
+ASKED = EARLIER + WEATHER_QUESTION
 MAX_TOKENS = 96
+JSON_OBJECT = {"type": "json_object"}
+DESCRIBE_PARIS = [{"role": "user", "content": "Describe Paris: its city, country and population."}]
+CITY_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -110,54 +138,65 @@ def checked_calls(message) -> list[tuple[str, dict]]:
 
 
 def test_json_object_answers_a_json_object(client):
-    messages = [{"role": "user", "content": "Give the capital of France as a JSON object."}]
-    answer = chat(client, messages, response_format={"type": "json_object"})
-    choice = answer.choices[0]
-    assert choice.finish_reason == "stop", choice
-    assert isinstance(json.loads(choice.message.content), dict)
+    """An object, not any JSON value: asked this, the target's greedy choice under a grammar
+    of any JSON value is an array."""
+    messages = [
+        {"role": "system", "content": "You answer in JSON."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    for stream in (False, True):
+        if stream:
+            content, calls, reason = streamed(client, messages, response_format=JSON_OBJECT)
+        else:
+            choice = chat(client, messages, response_format=JSON_OBJECT).choices[0]
+            content, calls, reason = (
+                choice.message.content,
+                choice.message.tool_calls,
+                choice.finish_reason,
+            )
+        assert reason == "stop" and not calls, (content, reason)
+        assert isinstance(json.loads(content), dict), content
 
 
 def test_json_schema_answers_follow_the_schema_whole_and_streamed(client):
-    messages = [{"role": "user", "content": "Describe Paris: its city, country and population."}]
-    response_format = {
-        "type": "json_schema",
-        "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True},
-    }
-    answer = chat(client, messages, response_format=response_format)
+    answer = chat(client, DESCRIBE_PARIS, response_format=CITY_FORMAT)
     choice = answer.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), CITY_SCHEMA)
-    content, calls, reason = streamed(client, messages, response_format=response_format)
+    content, calls, reason = streamed(client, DESCRIBE_PARIS, response_format=CITY_FORMAT)
     assert (content, calls, reason) == (choice.message.content, [], "stop")
 
 
 def test_tool_choice_required_calls_tools_with_valid_arguments(client):
-    answer = chat(client, WEATHER_QUESTION, tools=TOOLS, tool_choice="required")
-    choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
-    assert choice.message.content is None
-    calls = checked_calls(choice.message)
-    assert calls and all(name in PARAMETERS for name, _ in calls)
+    for messages, fields in ((ASKED, {}), (WEATHER_QUESTION, {"parallel_tool_calls": False})):
+        answer = chat(client, messages, tools=TOOLS, tool_choice="required", **fields)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        calls = checked_calls(choice.message)
+        assert calls[0] == ("get_weather", {"city": "Paris", "unit": "celsius"}), calls
+        if fields:
+            assert len(calls) == 1
 
 
 def test_a_named_tool_choice_calls_that_function_once(client):
     named = {"type": "function", "function": {"name": "get_time"}}
-    answer = chat(client, WEATHER_QUESTION, tools=TOOLS, tool_choice=named)
-    choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
-    [(name, _)] = checked_calls(choice.message)
-    assert name == "get_time"
+    for messages in (ASKED, WEATHER_QUESTION):
+        choice = chat(client, messages, tools=TOOLS, tool_choice=named).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        [(name, _)] = checked_calls(choice.message)
+        assert name == "get_time"
 
 
-def test_tool_choice_auto_may_call_or_answer(client):
-    """The trigger lets the model choose: asked for the weather it calls get_weather; asked
-    for a poem it writes text (greedy: the same choice every run)."""
-    called = chat(client, WEATHER_QUESTION, tools=TOOLS).choices[0]
+def test_tool_choice_auto_calls_or_answers_in_text(client):
+    """The model chooses: asked for the weather it calls get_weather; asked for a poem it
+    writes text (greedy: the same choice every run)."""
+    called = chat(client, ASKED, tools=TOOLS).choices[0]
     assert called.finish_reason == "tool_calls", called
-    assert [name for name, _ in checked_calls(called.message)] == ["get_weather"]
-    poem = [{"role": "user", "content": "Write two lines about the sea."}]
+    assert checked_calls(called.message) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    poem = EARLIER + [{"role": "user", "content": "Write two lines about the sea."}]
     texted = chat(client, poem, tools=TOOLS, tool_choice="auto").choices[0]
-    assert texted.finish_reason in ("stop", "length") and texted.message.tool_calls is None
+    assert texted.finish_reason == "stop" and texted.message.tool_calls is None, texted
     assert texted.message.content
 
 
@@ -165,68 +204,68 @@ def test_tool_choice_auto_may_call_or_answer(client):
     "tool_choice", ["required", "auto", {"type": "function", "function": {"name": "get_weather"}}]
 )
 def test_streamed_tool_calls_equal_the_whole_answer(client, tool_choice):
-    whole = chat(client, WEATHER_QUESTION, tools=TOOLS, tool_choice=tool_choice).choices[0]
-    content, calls, reason = streamed(
-        client, WEATHER_QUESTION, tools=TOOLS, tool_choice=tool_choice
-    )
+    whole = chat(client, ASKED, tools=TOOLS, tool_choice=tool_choice).choices[0]
+    content, calls, reason = streamed(client, ASKED, tools=TOOLS, tool_choice=tool_choice)
     assert reason == whole.finish_reason == "tool_calls"
     assert content == whole.message.content
     expected = [(call.function.name, call.function.arguments) for call in whole.message.tool_calls]
     assert [(call["name"], call["arguments"]) for call in calls] == expected
+    assert len({call["id"] for call in calls}) == len(calls)
 
 
 def test_an_agent_loop_sends_the_tool_result_back(client, target_dir):
-    """Call, run the tool, resend the history with its result: the answer is text, and the
-    prompt it was given is the history as written out here, token for token."""
-    first = chat(client, WEATHER_QUESTION, tools=TOOLS, tool_choice="required").choices[0]
-    (call,) = first.message.tool_calls[:1]
-    result = "Sunny, 21 degrees celsius."
+    """Call, run the tool, resend the history with its result: the model answers from the
+    result; and the prompt it gets is the history as written out here, token for token."""
+    first = chat(client, ASKED, tools=TOOLS).choices[0]
+    (call,) = first.message.tool_calls
+    assert json.loads(call.function.arguments)["city"] == "Paris"
     history = [
-        *WEATHER_QUESTION,
+        *ASKED,
         first.message,  # as the openai package resends it
-        {"role": "tool", "tool_call_id": call.id, "content": result},
+        {"role": "tool", "tool_call_id": call.id, "content": "Cloudy, 18 degrees celsius."},
     ]
-    if len(first.message.tool_calls) > 1:  # answer every call
-        history += [
-            {"role": "tool", "tool_call_id": other.id, "content": "unknown"}
-            for other in first.message.tool_calls[1:]
-        ]
-    final = chat(client, history, tools=TOOLS, tool_choice="none")
-    choice = final.choices[0]
-    assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
-    assert choice.message.content
-    calls_text = "\n".join(
-        f'<tool_call>\n{{"name": "{c.function.name}", "arguments": {c.function.arguments}}}\n'
-        "</tool_call>"
-        for c in first.message.tool_calls
-    )
-    responses = [result] + ["unknown"] * (len(first.message.tool_calls) - 1)
+    final = chat(client, history, tools=TOOLS).choices[0]
+    assert final.finish_reason == "stop" and final.message.tool_calls is None, final
+    assert "18" in final.message.content  # it read the result
+
+    without_tools = chat(client, history, tools=TOOLS, tool_choice="none", max_tokens=1)
+
+    def turn(role: str, text: str) -> str:
+        return f"<|im_start|>{role}\n{text}<|im_end|>\n"
+
+    def called(city: str) -> str:
+        arguments = f'{{"city": "{city}", "unit": "celsius"}}'
+        return f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+
     expected_prompt = (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-        "Face<|im_end|>\n<|im_start|>user\nWhat is the weather in Paris, in celsius?<|im_end|>\n"
-        f"<|im_start|>assistant\n{calls_text}<|im_end|>\n"
-        + "".join(
-            f"<|im_start|>tool\n<tool_response>\n{text}\n</tool_response><|im_end|>\n"
-            for text in responses
-        )
+        turn("system", "You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+        + turn("user", "What is the weather in Rome, in celsius?")
+        + turn("assistant", called("Rome"))
+        + turn("tool", "<tool_response>\nSunny, 24 degrees celsius.\n</tool_response>")
+        + turn("assistant", "It is sunny in Rome, 24 degrees celsius.")
+        + turn("user", "What is the weather in Paris, in celsius?")
+        + turn("assistant", called("Paris"))
+        + turn("tool", "<tool_response>\nCloudy, 18 degrees celsius.\n</tool_response>")
         + "<|im_start|>assistant\n"
     )
     tokenizer = load_tokenizer(str(target_dir))
-    assert final.usage.prompt_tokens == len(tokenizer.encode(expected_prompt))
+    assert without_tools.usage.prompt_tokens == len(tokenizer.encode(expected_prompt))
 
 
 def test_stop_and_max_tokens_cut_a_structured_answer_and_say_so(client):
     """A stop sequence or max_tokens ends the answer wherever it falls, grammar or not:
     finish_reason says which, and the text is what came before."""
-    response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY_SCHEMA}}
-    messages = [{"role": "user", "content": "Describe Paris: its city, country and population."}]
-    whole = chat(client, messages, response_format=response_format).choices[0].message.content
-    cut = chat(client, messages, response_format=response_format, stop=[","]).choices[0]
+    whole = chat(client, DESCRIBE_PARIS, response_format=CITY_FORMAT).choices[0].message.content
+    cut = chat(client, DESCRIBE_PARIS, response_format=CITY_FORMAT, stop=[","]).choices[0]
     assert cut.finish_reason == "stop" and cut.message.content == whole[: whole.index(",")]
-    short = chat(client, messages, response_format=response_format, max_tokens=3).choices[0]
+    short = chat(client, DESCRIBE_PARIS, response_format=CITY_FORMAT, max_tokens=3).choices[0]
     assert short.finish_reason == "length" and whole.startswith(short.message.content)
-    call = chat(client, WEATHER_QUESTION, tools=TOOLS, tool_choice="required", max_tokens=12)
-    assert call.choices[0].finish_reason == "length"
+    call = chat(client, ASKED, tools=TOOLS, tool_choice="required", max_tokens=20).choices[0]
+    assert call.finish_reason == "length"
+    (cut_call,) = call.message.tool_calls  # as far as it got: its arguments are not whole
+    assert cut_call.function.name == "get_weather"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut_call.function.arguments)
 
 
 @pytest.mark.parametrize("stream", [False, True])

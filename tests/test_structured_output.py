@@ -104,7 +104,11 @@ def test_json_schema_guide_compiles_and_constrains(compiler):
             None,  # auto
             None,
             ["Plain text.", PARIS, f"Let me look.\n{PARIS}\nThere.", f"{PARIS}\n{NOW}", ""],
-            [call_text("get_weather", '{"town": "Paris"}'), call_text("nope", "{}")],
+            [
+                call_text("get_weather", '{"town": "Paris"}'),
+                call_text("nope", "{}"),
+                "<tool_response>\nSunny\n</tool_response>",  # results come from the tools
+            ],
         ),
         (
             "auto",

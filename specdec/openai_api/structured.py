@@ -5,9 +5,10 @@ template's messages (docs/openai.md, Structured output and Tools).
 
     response_format json_object       -> json            (any JSON object)
     response_format json_schema       -> json_schema     (its schema; strict or not)
-    tools, tool_choice "auto"         -> structural_tag  (free text; after "<tool_call>", a
-                                                          call whose arguments follow its
-                                                          function's parameters)
+    tools, tool_choice "auto"         -> structural_tag  (free text, never "<tool_response";
+                                                          after "<tool_call>", a call whose
+                                                          arguments follow its function's
+                                                          parameters)
     tools, tool_choice "required"     -> structural_tag  (one or more calls, nothing else)
     tools, tool_choice {function}     -> structural_tag  (one call of that function)
     tools, tool_choice "none"         -> nothing         (and no tools in the prompt)
@@ -35,6 +36,9 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # under a grammar can otherwise loop on whitespace that every JSON grammar allows.
 MAX_ARGUMENTS_WHITESPACE = 1
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+# Results come from the tools, never from the model: free text must not start one (a small
+# model that has seen results in its history writes one of its own instead of a call).
+FORGED_RESULT = TOOL_RESPONSE_OPEN.removesuffix(">")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,7 @@ def _tools_structural_tag(tools: list[Tool], choice: str | NamedToolChoice, one_
         calls["at_least_one"] = True
     else:  # auto: free text; once it writes the trigger, a whole call
         calls = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags}
+        calls["excludes"] = [FORGED_RESULT]
     calls["stop_after_first"] = one_call
     return {"type": "structural_tag", "format": calls}
 
