@@ -58,7 +58,6 @@ def compiler(target_dir):
 def compile_guide(compiler, guided: Guide):
     """As the BLS compiles guides (specdec/engines/grammar.py)."""
     return {
-        "json": lambda _: compiler.compile_builtin_json_grammar(),
         "json_schema": compiler.compile_json_schema,
         "structural_tag": compiler.compile_structural_tag,
     }[guided.type](guided.text)
@@ -73,7 +72,8 @@ def completes(compiled, text: str) -> bool:
 def test_response_format_guides():
     assert guide(request()) is None
     assert guide(request(response_format={"type": "text"})) is None
-    assert guide(request(response_format={"type": "json_object"})) == Guide("json")
+    any_object = Guide("json_schema", '{"type": "object"}')  # the guide type json: any value
+    assert guide(request(response_format={"type": "json_object"})) == any_object
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     spec = {"name": "answer", "schema": schema, "strict": True, "description": "d"}
     guided = guide(request(response_format={"type": "json_schema", "json_schema": spec}))
@@ -82,9 +82,14 @@ def test_response_format_guides():
         "guided_decoding_guide_type": "json_schema",
         "guided_decoding_guide": json.dumps(schema),
     }
-    assert Guide("json").triton_params() == {"guided_decoding_guide_type": "json"}
     no_schema = {"type": "json_schema", "json_schema": {"name": "any"}}
-    assert guide(request(response_format=no_schema)) == Guide("json")
+    assert guide(request(response_format=no_schema)) == any_object
+
+
+def test_json_object_is_an_object(compiler):
+    compiled = compile_guide(compiler, guide(request(response_format={"type": "json_object"})))
+    assert completes(compiled, '{"a": [1, {"b": null}]}') and completes(compiled, "{}")
+    assert not completes(compiled, "[1]") and not completes(compiled, '"text"')
 
 
 def test_json_schema_guide_compiles_and_constrains(compiler):

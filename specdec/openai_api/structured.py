@@ -3,7 +3,8 @@ decoding inputs (TensorRT-LLM's `guided_decoding_guide_type` / `guided_decoding_
 compiled by xgrammar), and the conversation with its tools and tool calls as the chat
 template's messages (docs/openai.md, Structured output and Tools).
 
-    response_format json_object       -> json            (any JSON object)
+    response_format json_object       -> json_schema     {"type": "object"} (the guide type
+                                                          json is any JSON value: an array too)
     response_format json_schema       -> json_schema     (its schema; strict or not)
     tools, tool_choice "auto"         -> structural_tag  (free text, never "<tool_response";
                                                           after "<tool_call>", a call whose
@@ -43,16 +44,13 @@ FORGED_RESULT = TOOL_RESPONSE_OPEN.removesuffix(">")
 
 @dataclass(frozen=True)
 class Guide:
-    """The BLS's guided decoding inputs: a guide type, and its text ("" for json)."""
+    """The BLS's guided decoding inputs: a guide type, and its text."""
 
     type: str
-    text: str = ""
+    text: str
 
     def triton_params(self) -> dict[str, str]:
-        params = {"guided_decoding_guide_type": self.type}
-        if self.text:
-            params["guided_decoding_guide"] = self.text
-        return params
+        return {"guided_decoding_guide_type": self.type, "guided_decoding_guide": self.text}
 
 
 def tool_choice(body: ChatCompletionRequest) -> str | NamedToolChoice:
@@ -144,9 +142,8 @@ def guide(body: ChatCompletionRequest) -> Guide | None:
     if response_format is None or response_format.type == "text":
         return None
     spec = response_format.json_schema
-    if spec is None or spec.schema_ is None:  # json_object, or a json_schema without one
-        return Guide("json")
-    return Guide("json_schema", json.dumps(spec.schema_))
+    schema = ANY_OBJECT if spec is None or spec.schema_ is None else spec.schema_
+    return Guide("json_schema", json.dumps(schema))
 
 
 def _tools_structural_tag(tools: list[Tool], choice: str | NamedToolChoice, one_call: bool) -> dict:
