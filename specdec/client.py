@@ -60,8 +60,6 @@ LIST_INPUT_TYPES: dict[str, tuple[str, type] | None] = {
     "bad_words": None,
     "proposer": None,
     "cache_salt": None,
-    "guided_decoding_guide_type": None,  # one element each
-    "guided_decoding_guide": None,
     "embedding_bias_words": None,
     "embedding_bias_weights": ("FP32", np.float32),
     "logit_bias_ids": ("INT32", np.int32),
