@@ -266,7 +266,7 @@ def validation_error(errors: list[dict]) -> ApiError:
 
     field_errors = [e for e in errors if field_path(e)[:1] == field_path(errors[0])[:1]]
     error = max(field_errors, key=lambda e: len(field_path(e)))  # the first of the deepest
-    loc = [part for part in error.get("loc", ()) if part != "body"]
+    loc = field_path(error)
     if error.get("type") == "json_invalid":
         return ApiError(400, f"request body is not valid JSON: {error.get('msg')}")
     unknown = error.get("type") == "extra_forbidden"  # its last part: the unknown name

@@ -54,7 +54,7 @@ class Guide:
 
 
 def tool_choice(body: ChatCompletionRequest) -> str | NamedToolChoice:
-    """ "none" without tools; else the request's, "auto" by default."""
+    """The tool choice in force: "none" without tools, else the request's ("auto" if none)."""
     if not body.tools:
         return "none"
     return body.tool_choice or "auto"
@@ -132,11 +132,9 @@ def guide(body: ChatCompletionRequest) -> Guide | None:
     choice = tool_choice(body)
     if choice != "none":
         assert body.tools  # tool_choice() says "none" without
+        one_call = body.parallel_tool_calls is False
         return Guide(
-            "structural_tag",
-            json.dumps(
-                _tools_structural_tag(body.tools, choice, body.parallel_tool_calls is False)
-            ),
+            "structural_tag", json.dumps(_tools_structural_tag(body.tools, choice, one_call))
         )
     response_format = body.response_format
     if response_format is None or response_format.type == "text":
