@@ -99,9 +99,8 @@ def client(api):  # noqa: F811 - the imported fixture
 
 
 def chat(client, messages, **fields):
-    return client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS, **fields
-    )
+    fields.setdefault("max_tokens", MAX_TOKENS)
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **fields)
 
 
 def streamed(client, messages, **fields) -> tuple[str | None, list[dict], str]:
