@@ -54,7 +54,7 @@ def test_validation_errors_name_the_field():
 
     with pytest.raises(ValidationError) as nested:
         ChatCompletionRequest.model_validate(
-            {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "tool"}]}
+            {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "function"}]}
         )
     assert validation_error(nested.value.errors()).param.startswith("messages[1]")
 
@@ -131,11 +131,14 @@ def test_finish_reasons():
 def test_streamed_chat_chunks_carry_the_role_once_and_usage_null():
     builder = ResponseBuilder(chat=True, model="m", include_usage=True)
     choice = Choice(0, 0, StopTrimmer([]))
-    first, second = builder.chunk(choice, "Hi"), builder.chunk(choice, " there")
+    first, second = (
+        builder.chunk(choice, delta) for delta in choice.add("Hi") + choice.add(" there")
+    )
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
     assert second["choices"][0]["delta"] == {"content": " there"}
     assert first["usage"] is None and first["object"] == "chat.completion.chunk"
-    last = builder.chunk(choice, "", "stop")
+    assert choice.finish() == []
+    last = builder.chunk(choice, {}, "stop")
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     assert builder.usage_chunk([choice])["choices"] == []
 

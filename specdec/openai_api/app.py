@@ -63,6 +63,13 @@ from specdec.openai_api.protocol import (
     triton_params,
     validation_error,
 )
+from specdec.openai_api.structured import (
+    check_structured,
+    guide,
+    template_messages,
+    tool_choice,
+)
+from specdec.openai_api.tool_calls import ToolCallParser
 from specdec.paths import PROJECT_ROOT
 from specdec.serving.settings import MAX_CONTEXT, TARGET_CHECKPOINT
 from specdec.text.tokenizer import TextTokenizer, load_tokenizer
@@ -176,23 +183,36 @@ class Generation:
         key_digest: bytes | None = None,  # the caller's API key, as KeyGate matched it
     ) -> None:
         check_supported(body)
+        chat_body = body if isinstance(body, ChatCompletionRequest) else None
+        chat = chat_body is not None
+        if chat_body is not None:
+            check_structured(chat_body)
         backend.check_model(body.model)
-        chat = isinstance(body, ChatCompletionRequest)
         prompts, self.max_tokens = _prompts_and_limit(backend, body)
         self.body, self.max_context, self.n = body, backend.max_context, body.n
+        with_tools = chat_body is not None and tool_choice(chat_body) != "none"
         self.error_names = (
             backend.triton_inputs,
             "messages" if chat else "prompt",
             max_tokens_field(body),
+            "tools" if with_tools else "response_format",  # what the guide came from
         )
         self.choices = [
-            Choice(b * body.n + s, b, StopTrimmer(body.stop_words))
+            Choice(
+                b * body.n + s,
+                b,
+                StopTrimmer(body.stop_words),
+                tool_calls=ToolCallParser() if with_tools else None,
+            )
             for b in range(len(prompts))
             for s in range(body.n)
         ]
         self.builder = ResponseBuilder(chat, backend.model_name, body.stream and body.include_usage)
         cache_salt = backend.config.keys.cache_salt(key_digest, body.cache_salt)
         params = triton_params(body, self.max_tokens, cache_salt)
+        guided = guide(chat_body) if chat_body is not None else None
+        if guided is not None:
+            params.update(guided.triton_params())
         inputs, outputs = build_inputs(prompts, **params), requested_outputs(**params)
 
         async def one_request():
@@ -222,8 +242,8 @@ class Generation:
         finally:
             self.call.cancel()  # no-op once the stream has ended
 
-    def apply(self, result: grpcaio.InferResult) -> tuple[Choice, str]:
-        """Adds one response to its choice; returns the choice and the text it may send."""
+    def apply(self, result: grpcaio.InferResult) -> tuple[Choice, list[dict]]:
+        """Adds one response to its choice; returns the choice and the deltas it may send."""
         batch_index = int(result.as_numpy("batch_index")[0][0])
         sequence_index = int(result.as_numpy("sequence_index")[0][0])
         choice = self.choices[batch_index * self.n + sequence_index]
@@ -251,13 +271,15 @@ class Generation:
         try:
             result = first
             while result is not None:
-                choice, text = self.apply(result)
-                if text:
-                    yield _sse(self.builder.chunk(choice, text))
+                choice, deltas = self.apply(result)
+                for delta in deltas:
+                    yield _sse(self.builder.chunk(choice, delta))
                 result = await anext(results, None)
             for choice in self.choices:
-                reason = self.finish_reason(choice)
-                yield _sse(self.builder.chunk(choice, choice.finish(), reason))
+                *deltas, last = choice.finish() or [{}]
+                for delta in deltas:
+                    yield _sse(self.builder.chunk(choice, delta))
+                yield _sse(self.builder.chunk(choice, last, self.finish_reason(choice)))
             if self.builder.include_usage:
                 yield _sse(self.builder.usage_chunk(self.choices))
         except ApiError as error:  # after the headers went out: an error event
@@ -272,7 +294,7 @@ def _prompts_and_limit(
 ) -> tuple[list[str], int]:
     """The BLS's prompts (chat: the target's template applied) and max_tokens."""
     if isinstance(body, ChatCompletionRequest):
-        messages = [message.as_template_input() for message in body.messages]
+        messages = template_messages(body)
         limit = body.max_completion_tokens or body.max_tokens or backend.max_context
         assert backend.tokenizer is not None  # started by the app's lifespan
         return [backend.tokenizer.apply_chat_template(messages)], limit

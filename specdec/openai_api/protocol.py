@@ -12,10 +12,11 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdec.openai_api.tool_calls import ToolCallParser, overlap_with_start
 from specdec.text.request import MAX_CACHE_SALT, OUTPUT_ONLY
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -106,21 +107,78 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+# OpenAI's rule for function and schema names
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content
-        if not isinstance(text, str):
-            text = "".join(part.text for part in text)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Strict):
+    """A call in an assistant message of the history (as an answer's tool_calls had it)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+    index: int | None = None  # as a streamed delta had it; ignored
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message with tool_calls
+    tool_calls: list[MessageToolCall] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call it answers
+
+    @property
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None  # with type json_schema only
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any JSON object
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None  # only false
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
 
 
 def check_supported(body: _Sampling) -> None:
@@ -179,16 +237,36 @@ def triton_params(
 
 # -- errors --------------------------------------------------------------------------------
 FIELD_NAMES = {
-    name
-    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-    for name in model.model_fields
+    info.alias or name
+    for model in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ChatMessage,
+        TextPart,
+        StreamOptions,
+        MessageToolCall,
+        CalledFunction,
+        ResponseFormat,
+        JsonSchemaSpec,
+        Tool,
+        FunctionSpec,
+        NamedToolChoice,
+    )
+    for name, info in model.model_fields.items()
 }
 
 
 def validation_error(errors: list[dict]) -> ApiError:
-    """pydantic's first error, as OpenAI words one: HTTP 400 naming the field."""
-    error = errors[0]
-    loc = [part for part in error.get("loc", ()) if part != "body"]
+    """pydantic's first error, as OpenAI words one: HTTP 400 naming the field. Of a union's
+    errors (one per member) the one that reached deepest: for a tool_choice object that
+    lacks its function's name, that name, not that the object is not "auto"."""
+
+    def field_path(error: dict) -> list:
+        return [part for part in error.get("loc", ()) if part != "body"]
+
+    field_errors = [e for e in errors if field_path(e)[:1] == field_path(errors[0])[:1]]
+    error = max(field_errors, key=lambda e: len(field_path(e)))  # the first of the deepest
+    loc = field_path(error)
     if error.get("type") == "json_invalid":
         return ApiError(400, f"request body is not valid JSON: {error.get('msg')}")
     unknown = error.get("type") == "extra_forbidden"  # its last part: the unknown name
@@ -216,19 +294,30 @@ OPENAI_NAME_OF_INPUT = {
     "logit_bias_ids": "logit_bias",
     "logit_bias_values": "logit_bias",
 }
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
 OVERLOADED = ("queue full", "server is shutting down")
 
 
 def triton_error(
-    message: str, triton_inputs: set[str], prompt_field: str, max_tokens_name: str
+    message: str,
+    triton_inputs: set[str],
+    prompt_field: str,
+    max_tokens_name: str,
+    guide_field: str = "response_format",
 ) -> ApiError:
     """A Triton error as an OpenAI one: the BLS's InvalidInput ("<input>: <why>") becomes a
-    400 naming the OpenAI field; a full queue or a stopping server 503; the rest 500."""
+    400 naming the OpenAI field (the guide's: `tools` or `response_format`, what it was made
+    from); a full queue or a stopping server 503; the rest 500."""
     message = re.sub(r"^\[request id: [^\]]*\] ", "", message.strip())
     match = re.match(r"(\w+): (.*)", message, re.DOTALL)
     if match and match.group(1) in triton_inputs:
         name, detail = match.groups()
-        names = {**OPENAI_NAME_OF_INPUT, "text_input": prompt_field, "max_tokens": max_tokens_name}
+        names = {
+            **OPENAI_NAME_OF_INPUT,
+            "text_input": prompt_field,
+            "max_tokens": max_tokens_name,
+            **dict.fromkeys(GUIDE_INPUTS, guide_field),
+        }
         param = names.get(name, name)
         suffix = f" (Triton input {name})" if param != name else ""
         return ApiError(400, f"{param}: {detail}{suffix}", param)
@@ -258,7 +347,7 @@ class StopTrimmer:
             self.stopped = True
             out, self.pending = self.pending[: min(found)], ""
             return out
-        hold = max((self._overlap(w) for w in self.stop_words), default=0)
+        hold = max((overlap_with_start(self.pending, w) for w in self.stop_words), default=0)
         out = self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(out) :]
         return out
@@ -266,13 +355,6 @@ class StopTrimmer:
     def flush(self) -> str:
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
-
-    def _overlap(self, word: str) -> int:
-        """Length of the longest end of `pending` that begins `word`."""
-        for size in range(min(len(word) - 1, len(self.pending)), 0, -1):
-            if word.startswith(self.pending[-size:]):
-                return size
-        return 0
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -287,25 +369,47 @@ class Choice:
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     role_sent: bool = False  # streamed chat: the first delta carries the role
+    tool_calls: ToolCallParser | None = None  # chat with tools: reads the calls in the text
 
-    def add(self, new_text: str) -> str:
-        out = self.trimmer.feed(new_text)
-        self.text += out
-        return out
+    def add(self, new_text: str) -> list[dict]:
+        """The chat deltas the new text settles: {"content"}, or pieces of tool calls."""
+        return self._deltas(self.trimmer.feed(new_text))
 
-    def finish(self) -> str:
-        out = self.trimmer.flush()
-        self.text += out
-        return out
+    def finish(self) -> list[dict]:
+        """The deltas of what was held back (a possible stop sequence or tool call)."""
+        deltas = self._deltas(self.trimmer.flush())
+        if self.tool_calls is not None:
+            deltas += self.tool_calls.finish()
+        return deltas
+
+    def _deltas(self, text: str) -> list[dict]:
+        self.text += text
+        if self.tool_calls is not None:
+            return self.tool_calls.feed(text)
+        return [{"content": text}] if text else []
 
     def finish_reason(self, max_tokens: int, max_context: int) -> str:
+        """ "tool_calls" for an answer whose calls all closed before it stopped."""
         if self.trimmer.stopped:
-            return "stop"
-        if self.num_output_tokens >= max_tokens:
-            return "length"
-        if self.num_input_tokens + self.num_output_tokens > max_context:
-            return "length"
-        return "stop"  # the end token
+            reason = "stop"
+        elif self.num_output_tokens >= max_tokens:
+            reason = "length"
+        elif self.num_input_tokens + self.num_output_tokens > max_context:
+            reason = "length"
+        else:
+            reason = "stop"  # the end token
+        if reason == "stop" and self.tool_calls is not None and self.tool_calls.calls_complete:
+            return "tool_calls"
+        return reason
+
+    def message(self) -> dict:
+        """The whole chat answer: with tools, content is the text outside the calls (null
+        when it is empty and there are calls)."""
+        if self.tool_calls is None:
+            return {"role": "assistant", "content": self.text}
+        calls = [call.as_openai() for call in self.tool_calls.calls]
+        content = self.tool_calls.content or (None if calls else "")
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 
 @dataclass
@@ -328,14 +432,14 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def chunk(self, choice: Choice, text: str, finish_reason: str | None = None) -> dict:
+    def chunk(self, choice: Choice, delta: dict, finish_reason: str | None = None) -> dict:
+        """One chunk of a stream: a chat delta (Choice.add's), or its text for completions."""
         if self.chat:
-            delta: dict = {} if finish_reason and not text else {"content": text}
             if not choice.role_sent:
                 delta, choice.role_sent = {"role": "assistant", **delta}, True
             item = {"index": choice.index, "delta": delta}
         else:
-            item = {"index": choice.index, "text": text}
+            item = {"index": choice.index, "text": delta.get("content", "")}
         item.update(logprobs=None, finish_reason=finish_reason)
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(kind, [item])
@@ -352,10 +456,7 @@ class ResponseBuilder:
         for choice in choices:
             reason = choice.finish_reason(max_tokens, max_context)
             if self.chat:
-                item = {
-                    "index": choice.index,
-                    "message": {"role": "assistant", "content": choice.text},
-                }
+                item = {"index": choice.index, "message": choice.message()}
             else:
                 item = {"index": choice.index, "text": choice.text}
             items.append({**item, "logprobs": None, "finish_reason": reason})

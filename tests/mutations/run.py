@@ -33,6 +33,7 @@ UNIT = ("tests/test_verify.py", "tests/test_scheduler.py")
 PREFIX = ("tests/test_prefix_cache.py",)
 REAL = ("tests/test_loop_engines.py",)
 ECONOMICS = ("tests/test_economics.py", "tests/test_calibration.py")
+TOOL_CALLS = "tests/test_tool_calls.py"
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,38 @@ MUTANTS = [
         "cache_salt = backend.config.keys.cache_salt(key_digest, body.cache_salt)",
         "cache_salt = body.cache_salt",
         tests=("tests/test_openai_auth.py::test_each_key_reaches_triton_with_its_own_cache_salt",),
+    ),
+    Mutant(
+        "tool-call-no-hold-back",
+        "streamed text that may begin a <tool_call> block goes out as content at once",
+        "specdec/openai_api/tool_calls.py",
+        "held = overlap_with_start(self._pending, CALL_OPEN)",
+        "held = 0",
+        tests=(TOOL_CALLS,),
+    ),
+    Mutant(
+        "tool-call-braces-in-strings",
+        "a brace inside a JSON string of a call's arguments counts as nesting",
+        "specdec/openai_api/tool_calls.py",
+        "            elif char == '\"':\n                self.in_string = True\n",
+        "",
+        tests=(TOOL_CALLS,),
+    ),
+    Mutant(
+        "tool-choice-required-free-text",
+        'tool_choice "required" lets the model answer in text (at_least_one left out)',
+        "specdec/openai_api/structured.py",
+        'calls["at_least_one"] = True',
+        "pass",
+        tests=("tests/test_structured_output.py::test_tool_guides_compile_and_constrain",),
+    ),
+    Mutant(
+        "finish-reason-cut-call",
+        'finish_reason "tool_calls" for an answer whose last call was cut',
+        "specdec/openai_api/tool_calls.py",
+        "return bool(self.calls) and all(call.complete for call in self.calls)",
+        "return bool(self.calls)",
+        tests=("tests/test_structured_output.py::test_a_cut_call_says_why_it_ended",),
     ),
     Mutant(
         "agentic-modes-share-tasks",
