@@ -453,10 +453,10 @@ GUIDED_SPECULATION = {
 
 def modes_of(case: str) -> list[str]:
     """Every k and proposer for the JSON schema; for the other guides, plain decoding, the
-    draft model, prompt lookup, the grammar and adaptively (the suite's time)."""
+    draft model and the grammar (the suite's time)."""
     if case == "json_schema":
         return list(GUIDED_SPECULATION)
-    return ["k0", "k4", "ngram-k8", "grammar-k8", "adaptive"]
+    return ["k0", "k4", "grammar-k8"]
 
 
 def real_scheduler(engines: LocalEngines, **config) -> SpeculativeScheduler:
