@@ -56,10 +56,13 @@ SYSTEM_PROMPTS = {WORKLOADS["shared-prefix"]: LOADTEST / "shared_prefix_system.t
 # The workloads of conversations ({"category", "turns"} lines): a request per user turn, which
 # resends the history with the answers the stream received (walks.ConversationWalk).
 CONVERSATIONS = {"multi-turn": LOADTEST / "conversations_multi_turn.jsonl"}
+# The workloads of requests with a guide each ({"category", "messages", "guide_type",
+# "schema"} lines: loadtest/structured.py): the server's guided decoding, answers checked.
+STRUCTURED = {"structured": LOADTEST / "prompts_structured.jsonl"}
 # The workloads generated, not read: agentic (loadtest/agentic.py), conversations of tool
 # calls without end, whose walks in different parts never send the same prompt.
 GENERATED = ("agentic",)
-WORKLOAD_NAMES = (*WORKLOADS, *CONVERSATIONS, *GENERATED)
+WORKLOAD_NAMES = (*WORKLOADS, *CONVERSATIONS, *STRUCTURED, *GENERATED)
 
 
 def unknown_modes(modes: list[str]) -> list[str]:
@@ -155,6 +158,11 @@ def read_workload(name: str) -> Workload:
         return Workload(name, conversations=agentic.TASKS, head=agentic.HEAD, unique=True)
     if name in CONVERSATIONS:
         return Workload(name, conversations=read_conversations(CONVERSATIONS[name]))
+    if name in STRUCTURED:
+        from structured import MAX_TOKENS, read_structured
+
+        requests, guides = read_structured(STRUCTURED[name])
+        return Workload(name, requests=requests, guides=guides, min_max_tokens=MAX_TOKENS)
     return Workload(name, requests=prompt_messages(WORKLOADS[name]))
 
 

@@ -1,7 +1,8 @@
 """Which request a load stream sends next: a walk through a workload's prompts.
 
 A workload is either a list of requests, each a list of chat messages (chat, grounded,
-rewrite: one user message; shared-prefix: one system text, then a question), or a list of
+rewrite: one user message; shared-prefix: one system text, then a question; structured: a
+request and the guide its answer must follow, loadtest/structured.py), or a list of
 conversations (multi-turn: user turns). A walk hands out the messages of the next request
 and hears the answer the server gave, so that a conversation's next request resends the
 whole history with the answers this stream received:
@@ -29,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from structured import Guide
+
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 # A unique workload's tasks per part: more than any walk takes (stream i of c takes tasks
 # i, i + c, i + 2c, ... of its part), so no walk runs into the next part.
@@ -42,6 +45,10 @@ class Walk(Protocol):
 
     def answered(self, answer: str | None) -> None:
         """What the server answered to the last request; None: it failed."""
+        ...
+
+    def guide(self) -> Guide | None:
+        """The guided decoding of the last request (None: free text)."""
         ...
 
 
@@ -61,12 +68,18 @@ class ListWalk:
 
     requests: list[list[Message]]
     order: Iterator[int]
+    guides: Sequence[Guide] = ()  # each request's (structured); none: free text
+    last: int = -1  # the index of the last request
 
     def next_request(self) -> list[Message]:
-        return self.requests[next(self.order)]
+        self.last = next(self.order)
+        return self.requests[self.last]
 
     def answered(self, answer: str | None) -> None:
         pass
+
+    def guide(self) -> Guide | None:
+        return self.guides[self.last] if self.guides else None
 
 
 @dataclass
@@ -99,6 +112,9 @@ class ConversationWalk:
             self.history = [*self.sent, {"role": "assistant", "content": answer}]
         self.sent = None
 
+    def guide(self) -> Guide | None:
+        return None
+
 
 @dataclass
 class Workload:
@@ -106,18 +122,30 @@ class Workload:
 
     name: str
     requests: list[list[Message]] = field(default_factory=list)  # list workloads
+    guides: Sequence[Guide] = ()  # each request's guided decoding (structured); none: free text
     conversations: Sequence[list[str]] = field(default_factory=list)  # multi-turn, agentic
     head: list[Message] = field(default_factory=list)  # the conversations' opening messages
     # True: walks given different parts take different tasks (agentic: no prompt is sent
     # twice in a run); False: the part changes nothing.
     unique: bool = False
+    # The room every answer needs (structured: its answers are checked, and a cut one would
+    # count as cut); a load asks for at least this many tokens. None: the load's own.
+    min_max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.guides and len(self.guides) != len(self.requests):
+            raise ValueError("a guide for each request, or none")
 
     def walk(self, order: Callable[[int], Iterator[int]]) -> Walk:
         """A fresh walk; `order(count)` gives the indices it takes."""
         if self.conversations:
             count = len(self.conversations)
             return ConversationWalk(self.conversations, order(count), self.head)
-        return ListWalk(self.requests, order(len(self.requests)))
+        return ListWalk(self.requests, order(len(self.requests)), self.guides)
+
+    def max_tokens(self, asked: int) -> int:
+        """A request's max_tokens where the load asks for `asked`: at least min_max_tokens."""
+        return max(asked, self.min_max_tokens or 0)
 
     def start(self, part: int) -> int:
         """The first index of `part`: 0 unless the workload is unique."""

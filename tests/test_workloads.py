@@ -1,9 +1,10 @@
 """The load tools' workloads (loadtest/common.WORKLOADS): every prompt file parses and is big
 enough, the rewrite set is what docs/benchmarks.md says it is and fits the model's context,
 no prompt is in two workloads, and the locustfile's --workload sends the workload named
-(multi-turn's conversations too, and agentic's tasks, a different one to each user; the
+(multi-turn's conversations too, and agentic's tasks, a different one to each user, and
+structured's requests; the
 prefix workloads' own checks: tests/test_prefix_workloads.py, agentic's:
-tests/test_agentic.py)."""
+tests/test_agentic.py, structured's: tests/test_structured.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from specdec.paths import PROJECT_ROOT
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
 from common import (  # noqa: E402
     CONVERSATIONS,
+    STRUCTURED,
     WORKLOAD_NAMES,
     WORKLOADS,
     load_prompts,
@@ -26,6 +28,7 @@ from common import (  # noqa: E402
     read_conversations,
     read_prompts,
 )
+from structured import read_structured  # noqa: E402
 
 # docs/benchmarks.md: the rewrite workload's categories, eight prompts each.
 REWRITE_CATEGORIES = ("style", "simplify", "restructure", "summarise", "perspective", "shorten")
@@ -105,16 +108,21 @@ print(json.dumps(chosen))
 """
 
 
-def test_locustfile_workload_option_selects_the_workloads_prompts():
+def run_probe(code: str) -> dict:
+    """What a probe of the locustfile prints last, as JSON (run in a process of its own)."""
     result = subprocess.run(
-        [sys.executable, "-c", LOCUST_PROBE],
+        [sys.executable, "-c", code],
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    chosen = json.loads(result.stdout.splitlines()[-1])
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_locustfile_workload_option_selects_the_workloads_prompts():
+    chosen = run_probe(LOCUST_PROBE)
     assert chosen.pop("refused") is True
     assert chosen.pop("default") == prompt_messages(WORKLOADS["chat"])
     assert set(chosen) == set(WORKLOAD_NAMES)
@@ -123,6 +131,8 @@ def test_locustfile_workload_option_selects_the_workloads_prompts():
             check_agentic_users(items)
         elif workload in CONVERSATIONS:
             assert items == read_conversations(CONVERSATIONS[workload]), workload
+        elif workload in STRUCTURED:
+            assert items == read_structured(STRUCTURED[workload])[0], workload
         else:
             assert items == prompt_messages(WORKLOADS[workload]), workload
             user_texts = [messages[-1]["content"] for messages in items]
