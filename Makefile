@@ -20,7 +20,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-controls bench-draft bench-overhead loadtest soak clean
+.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-controls bench-structured bench-draft bench-overhead loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -122,6 +122,19 @@ bench-controls: models
 	$(PY) loadtest/bench.py --name bench-controls-$(CONTROLS_PRECISION) --workloads chat,grounded \
 		--modes $(CONTROLS_MODES) --concurrency 1,16 \
 		--max-tokens 128 --level-seconds $(CONTROLS_LEVEL_SECONDS) --server-env DTYPE=$(CONTROLS_PRECISION)
+
+# Structured output (guided decoding): the structured workload (loadtest/structured.py: JSON
+# extraction and tool calls, each request with the JSON schema its answer must follow) at 1 and
+# 16 streams, k = 0, adaptive and k = 0 again in interleaved windows on one server; answers of
+# up to structured.MAX_TOKENS tokens (room for every answer). Beside tokens/s, per level and
+# mode the answers valid under their schema, invalid, and cut by max_tokens:
+# results/bench-structured-$(STRUCTURED_PRECISION).{json,csv,png}.
+STRUCTURED_PRECISION ?= bfloat16
+STRUCTURED_LEVEL_SECONDS ?= 30
+bench-structured: models
+	$(PY) loadtest/bench.py --name bench-structured-$(STRUCTURED_PRECISION) \
+		--workloads structured --modes k0,adaptive,k0-again --concurrency 1,16 \
+		--level-seconds $(STRUCTURED_LEVEL_SECONDS) --server-env DTYPE=$(STRUCTURED_PRECISION)
 
 # Prefix reuse (issue 31): the workloads whose prompts share prefixes (shared-prefix: one
 # system text of about 1,000 tokens before each question; multi-turn: conversations resent

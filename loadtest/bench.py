@@ -11,10 +11,14 @@ restyled, restructured, summarised, retold or shortened), and for the server's p
 answers this stream got in this mode: see StaggeredLoad), and `agentic` (loadtest/agentic.py:
 an agent's tool calls in one JSON format, conversations of two or three turns, generated
 without end; each mode, level and warm-up walks tasks of its own, so that no prompt is sent
-twice in a run). Modes: k0 (no speculation), draft, ngram and suffix (one proposer alone, k
-chosen by the server; suffix needs a server with PROPOSERS=...,suffix), adaptive (the
-server's choice of proposer and k per row), adaptive-nosuffix (the same among draft_model
-and ngram), k2/k4/k8 (the draft model at a fixed k), k0-again (the noise floor).
+twice in a run), and `structured` (loadtest/structured.py: JSON extraction and tool calls,
+each request with the JSON schema its answer must follow, sent as guided_decoding_guide_type
+and guided_decoding_guide; its answers are counted valid, invalid or cut by max_tokens, and
+its requests ask for at least structured.MAX_TOKENS tokens). Modes: k0 (no speculation),
+draft, ngram and suffix (one proposer alone, k chosen by the server; suffix needs a server
+with PROPOSERS=...,suffix), adaptive (the server's choice of proposer and k per row),
+adaptive-nosuffix (the same among draft_model and ngram), k2/k4/k8 (the draft model at a
+fixed k), k0-again (the noise floor).
 Any mode takes the suffixes `-sampled` (temperature 0.8 instead of greedy), one of
 `-penalized`, `-penalized-prompt` and `-controlcost` (presence and frequency penalties:
 common.CONTROLS) and `-si<N>` (the request's stream_interval: a response each time N output
@@ -82,6 +86,7 @@ from common import (
 )
 from specdec.client import GenerationResult, StreamingClient, generate
 from specdec.paths import PROJECT_ROOT
+from structured import Guide, Tally, check, distinct_guides, guide_inputs
 from walks import Message, Walk, Workload
 
 # Requests of one stream that may fail in a row before its window's first token; then the
@@ -124,7 +129,7 @@ def float32_server(concurrency: int) -> SecondServer:
 class BenchConfig:
     modes: list[str]
     concurrency: list[int]
-    max_tokens: int = 128
+    max_tokens: int = 128  # a workload may ask for more (structured: walks.Workload.max_tokens)
     level_seconds: float = 40.0  # of sustained load per level and mode, in two windows
     url: str | None = None  # None: start a server of our own
     metrics_url: str | None = None  # with url: its metrics endpoint (steady-state tokens/s)
@@ -199,6 +204,11 @@ class LevelResult:
     ngram_accepted: float = 0.0
     suffix_draft_tokens: float = 0.0
     suffix_accepted: float = 0.0
+    # Of the answers to guided requests (structured), those valid under their schema, those
+    # that broke it and those cut by max_tokens (structured.check); None: no guided request.
+    valid_outputs: int | None = None
+    invalid_outputs: int | None = None
+    cut_outputs: int | None = None
 
 
 @dataclass
@@ -207,6 +217,8 @@ class Request:
 
     window: int  # the index of the window it belongs to
     result: GenerationResult | None = None  # once it has finished
+    guide: Guide | None = None  # its guided decoding (structured); None: free text
+    max_tokens: int = 0  # as sent
 
 
 @dataclass
@@ -264,6 +276,10 @@ class StreamPrompts:
             part = self.part_of(mode)
             self.walks[mode] = self.workload.stream_walk(self.index, self.concurrency, part)
         return self.render(self.walks[mode].next_request())
+
+    def guide(self, mode: str) -> Guide | None:
+        """The guide of `mode`'s last prompt (None: free text)."""
+        return self.walks[mode].guide()
 
     def answered(self, mode: str, answer: str | None) -> None:
         """The answer to `mode`'s last prompt (None: the request failed)."""
@@ -353,18 +369,21 @@ class StaggeredLoad:
                     mode, window = self.mode, len(self.windows)
                     self.busy[index] = True
                     request = Request(window)
-                    max_tokens = self.config.max_tokens
+                    max_tokens = self.workload.max_tokens(self.config.max_tokens)
                     if window != window_seen:  # the window's first request: a lead-in
                         window_seen = window
                         max_tokens = max(1, round(max_tokens * (index + 1) / self.concurrency))
                     else:
                         self.requests.append(request)
+                prompt = prompts.next_prompt(mode)
+                request.guide, request.max_tokens = prompts.guide(mode), max_tokens
                 request.result = client.generate(
-                    prompts.next_prompt(mode),
+                    prompt,
                     max_tokens=max_tokens,
                     stream=True,
                     cache_salt=self.cache_salt(mode),
                     **mode_inputs(mode),
+                    **guide_inputs(request.guide),
                     return_perf_metrics=True,
                     return_num_input_tokens=True,
                     return_num_output_tokens=True,
@@ -481,7 +500,25 @@ def summarize(
             for name in PROPOSER_NAMES
             for key in (f"{name}_draft_tokens", f"{name}_accepted")
         },
+        **validity(mine),
     )
+
+
+def validity(requests: list[Request]) -> dict[str, int | None]:
+    """valid_outputs, invalid_outputs and cut_outputs of the answered requests that carried
+    a guide (structured.check); None each where none did."""
+    guided = [r for r in requests if r.guide is not None and r.result.error is None]
+    if not guided:
+        return dict.fromkeys(("valid_outputs", "invalid_outputs", "cut_outputs"))
+    tally = Tally()
+    for r in guided:
+        tokens = int(r.result.metrics.get("num_output_tokens", 0))
+        tally.add(check(r.result.text, r.guide.schema, tokens, r.max_tokens))
+    return {
+        "valid_outputs": tally.valid,
+        "invalid_outputs": tally.invalid,
+        "cut_outputs": tally.cut,
+    }
 
 
 def engine_calls(windows: list[MeasuredWindow], iterations: float) -> dict[str, float | None]:
@@ -562,6 +599,20 @@ def parts_table(levels: list[LevelResult]) -> str:
     return "\n".join(lines)
 
 
+def validity_table(levels: list[LevelResult]) -> str:
+    """Per level and mode with guided requests: answers valid under their schema, invalid,
+    and cut by max_tokens."""
+    header = "| workload | streams | mode | valid | invalid | cut |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in sorted(levels, key=lambda r: (r.workload, r.concurrency)):
+        if r.valid_outputs is not None:
+            lines.append(
+                f"| {r.workload} | {r.concurrency} | {r.mode} | {r.valid_outputs} | "
+                f"{r.invalid_outputs} | {r.cut_outputs} |"
+            )
+    return "\n".join(lines)
+
+
 def noise_floor(levels: list[LevelResult]) -> float | None:
     """The run's lowest k0-again / k0 ratio: a mode equal to k0 can read this low."""
     by_key = {(r.workload, r.mode, r.concurrency): r.tokens_per_s for r in levels}
@@ -620,6 +671,16 @@ def _seconds(value: float | None) -> str:
     return "     -" if value is None else f"{value:6.2f} s"
 
 
+def warm_up(
+    workload: Workload, render: Callable[[list[Message]], str], url: str, model: str, part: int
+) -> None:
+    """A short request of the workload (of `part`, for a unique one), and one for each guide
+    it has (structured): a server meets each grammar first here, not in a mode's window."""
+    generate(render(workload.first_request(part)), url, model, max_tokens=8)
+    for messages, guide in distinct_guides(workload.requests, workload.guides):
+        generate(render(messages), url, model, max_tokens=8, **guide.inputs())
+
+
 def run_level(
     workload: str,
     concurrency: int,
@@ -659,10 +720,19 @@ def run_level(
             f"iterations/s {level.iterations_per_s:.1f}  bytes/call: draft "
             f"{_bytes(level.draft_bytes_per_call, level.draft_calls_per_iteration is not None)} "
             f"target "
-            f"{_bytes(level.target_bytes_per_call, level.target_calls_per_iteration is not None)}",
+            f"{_bytes(level.target_bytes_per_call, level.target_calls_per_iteration is not None)}"
+            f"{_validity(level)}",
             flush=True,
         )
     return results
+
+
+def _validity(level: LevelResult) -> str:
+    """The level's guided answers for the log: valid, invalid, cut; '' without any."""
+    if level.valid_outputs is None:
+        return ""
+    tally = Tally(level.valid_outputs, level.invalid_outputs or 0, level.cut_outputs or 0)
+    return f"  {tally}"
 
 
 def run_modes(config: BenchConfig, url: str, parts: Iterator[int]) -> list[LevelResult]:
@@ -672,8 +742,7 @@ def run_modes(config: BenchConfig, url: str, parts: Iterator[int]) -> list[Level
     render = chat_template()
     for name in config.workloads:
         workload = read_workload(name)
-        warm_up = render(workload.first_request(next(parts)))
-        generate(warm_up, url, config.model, max_tokens=8)
+        warm_up(workload, render, url, config.model, next(parts))
         for i, concurrency in enumerate(config.concurrency):
             load = StaggeredLoad(
                 url, concurrency, workload, config, config.metrics_url, render, parts=parts
@@ -701,8 +770,7 @@ def run_second(
     for i, name in enumerate(names):
         workload = read_workload(name)
         for warm in (url, url_b):
-            warm_up = render(workload.first_request(next(parts)))
-            generate(warm_up, warm, config.model, max_tokens=8)
+            warm_up(workload, render, warm, config.model, next(parts))
         load = StaggeredLoad(url, c, workload, config, config.metrics_url, render, parts=parts)
         loads = {
             "k0": load,
@@ -787,6 +855,8 @@ def report(levels: list[LevelResult], config: BenchConfig, meta: dict) -> None:
         print(ratio_table(by_modes, config.modes))
         print(f"noise floor (lowest k0-again / k0 of the run): {meta['noise_floor']}")
     print(parts_table(levels))
+    if any(r.valid_outputs is not None for r in levels):
+        print(validity_table(levels))
     if second is None:
         return
     by_label: dict[str, dict[str, LevelResult]] = {}
@@ -818,7 +888,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOAD_NAMES)}")
     parser.add_argument("--concurrency", default="1,4,16,64", help="'': no levels of the modes")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="structured: at least structured.MAX_TOKENS"
+    )
     parser.add_argument(
         "--level-seconds", type=float, default=40.0, help="sustained load per level and mode"
     )

@@ -13,10 +13,18 @@ from pathlib import Path
 import pytest
 from tritonclient.utils import deserialize_bytes_tensor
 
-from specdec.client import build_inputs
+from specdec.client import GenerationResult, build_inputs
 from specdec.paths import PROJECT_ROOT
 
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
+from bench import (  # noqa: E402
+    LevelResult,
+    Request,
+    StreamPrompts,
+    parse_args,
+    validity,
+    validity_table,
+)
 from common import STRUCTURED, read_workload  # noqa: E402
 from structured import (  # noqa: E402
     CUT,
@@ -247,3 +255,58 @@ def test_the_warm_up_meets_every_guide_once():
     assert len(warm) == len(kinds)  # each category one schema
     assert len({json.dumps(guide.schema) for _, guide in warm}) == len(warm)
     assert distinct_guides(read_workload("chat").requests, ()) == []
+
+
+def answered(text: str, tokens: int, guide: Guide | None, max_tokens: int = 64) -> Request:
+    result = GenerationResult(text=text, metrics={"num_output_tokens": tokens})
+    return Request(window=0, result=result, guide=guide, max_tokens=max_tokens)
+
+
+def test_bench_counts_valid_invalid_and_cut_answers_of_guided_requests():
+    guide = Guide("json_schema", ORDER)
+    failed = answered("", 0, guide)
+    failed.result.error = RuntimeError("refused")
+    requests = [
+        answered(VALID_ORDER, 30, guide),
+        answered(VALID_ORDER, 31, guide),
+        answered('{"order_id": 5, "items": []}', 12, guide),
+        answered('{"order_id": "A-1", "items": [{"pro', 64, guide),
+        failed,  # an error: no answer to check (num_errors counts it)
+    ]
+    assert validity(requests) == {"valid_outputs": 2, "invalid_outputs": 1, "cut_outputs": 1}
+    free = [answered("Hello.", 3, None), answered("Hi", 64, None)]
+    assert validity(free) == {"valid_outputs": None, "invalid_outputs": None, "cut_outputs": None}
+
+
+def test_bench_walks_send_each_mode_the_same_guided_requests():
+    workload = read_workload("structured")
+    prompts = StreamPrompts(workload, 2, 4, render=lambda messages: json.dumps(messages))
+    sent: dict[str, list[tuple[str, Guide | None]]] = {}
+    for mode in ("k0", "adaptive", "k0", "k0-again", "adaptive", "k0-again") * 3:
+        prompt = prompts.next_prompt(mode)
+        sent.setdefault(mode, []).append((prompt, prompts.guide(mode)))
+    assert sent["k0"] == sent["adaptive"] == sent["k0-again"]
+    for prompt, guide in sent["k0"]:
+        index = workload.requests.index(json.loads(prompt))
+        assert guide == workload.guides[index]
+
+
+def test_the_validity_table_lists_only_levels_with_guided_requests():
+    def level(workload: str, counts: tuple[int, int, int] | None) -> LevelResult:
+        names = ("valid_outputs", "invalid_outputs", "cut_outputs")
+        fields = dict(zip(names, counts, strict=True)) if counts else {}
+        return LevelResult(workload, "k0", 1, 10, 0, 100, 10.0, 10.0, [10.0], 0.0, 0.0,
+                           1.0, 1.0, 0.1, 0.1, 0.01, 0.01, **fields)  # fmt: skip
+
+    table = validity_table([level("structured", (9, 1, 0)), level("chat", None)])
+    assert table.splitlines()[2:] == ["| structured | 1 | k0 | 9 | 1 | 0 |"]
+
+
+def test_make_bench_structured_runs_the_workload_in_three_modes_at_two_levels():
+    from test_agentic import make_commands
+
+    (argv,) = make_commands("bench-structured")
+    config = parse_args(argv)
+    assert config.workloads == ["structured"] and config.concurrency == [1, 16]
+    assert config.modes == ["k0", "adaptive", "k0-again"]
+    assert read_workload("structured").max_tokens(config.max_tokens) == MAX_TOKENS
