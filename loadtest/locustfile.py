@@ -16,10 +16,13 @@ each picked at random: `--workload chat` (the default, loadtest/prompts.jsonl), 
 rather than copy it), `shared-prefix` (one system text of about 1,000 tokens, then a
 question about it), `multi-turn` (a conversation of four user turns: each request resends
 the history with the answers this user received; a user keeps its conversation across its
-tasks and, after the last turn or a failed request, opens another at random) or `agentic`
+tasks and, after the last turn or a failed request, opens another at random), `agentic`
 (loadtest/agentic.py: tool calls in a JSON format, conversations as multi-turn's; a user
 opens task i for a random 63-bit i, so that no two conversations of a run are the same: with
-a million conversations the odds of any repeat are about 1 in 20 million).
+a million conversations the odds of any repeat are about 1 in 20 million) or `structured`
+(loadtest/structured.py: JSON extraction and tool calls, each request with the JSON schema
+its answer must follow, sent as guided_decoding_guide_type / guided_decoding_guide, or over
+the OpenAI API as response_format; max_tokens at least structured.MAX_TOKENS).
 Per request they report, as Locust entries:
 - `generate`: whole-request latency, response length = output tokens (a failure if the
   server answered with an error);
@@ -27,7 +30,10 @@ Per request they report, as Locust entries:
   failure of its own row, with the server's message;
 - `time_to_first_token` and `inter_chunk`: latencies in ms;
 - `tokens_per_s`: the request's output tokens per second, in the response-time column
-  (Locust only aggregates times: higher is better in that row).
+  (Locust only aggregates times: higher is better in that row);
+- `structured_output` (structured): a guided answer, a success when valid under its schema,
+  a failure "invalid under its schema" or "cut by max_tokens" (structured.check); the
+  records say which as `validity`.
 Times are taken when a response reaches the user's greenlet.
 
 Which users, and in which mode (common.MODES: k0, adaptive, ...): `--plan file.json` (what
@@ -61,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MODES, WORKLOAD_NAMES, Message, read_workload  # noqa: E402
 from grpc_streams import StreamPool, StreamResult, is_overload  # noqa: E402
 from schedule import STAGES, PlannedWindow, build_plan, window_at  # noqa: E402
+from structured import Guide, check, guide_inputs  # noqa: E402
 from walks import Workload, raw_text, shuffled  # noqa: E402
 
 # ChatML as SmolLM2's template writes it, with its default system turn where the messages
@@ -211,6 +218,7 @@ class StreamingUser:
         # the user's requests: a walk of the workload, in random order, kept across its tasks
         workload = workload_of(self.options.workload)
         self.walk = workload.walk(lambda count: shuffled(self.rng, count))
+        self.workload = workload
         # A workload whose prompts repeat (all but agentic) runs each mode under a cache_salt
         # of its own: the suffix store and the prefix cache then never hand one mode's
         # windows the answers another mode got to the same prompts.
@@ -247,7 +255,8 @@ class StreamingUser:
 
     def params(self, mode: str) -> dict:
         o = self.options
-        params = dict(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p)
+        max_tokens = self.workload.max_tokens(o.max_tokens)  # structured: room for its answers
+        params = dict(max_tokens=max_tokens, temperature=o.temperature, top_p=o.top_p)
         params.update(REQUEST_INPUTS[mode])
         if self.salted:
             params["cache_salt"] = f"locust-{mode}"
@@ -255,8 +264,11 @@ class StreamingUser:
             params["seed"] = self.rng.randrange(2**32)
         return params
 
-    def finish(self, record: dict, result: StreamResult) -> None:
-        """Locust entries and the record of one request."""
+    def finish(
+        self, record: dict, result: StreamResult, guide: Guide | None = None, max_tokens: int = 0
+    ) -> None:
+        """Locust entries and the record of one request (`guide`: its guided decoding, whose
+        answer is checked; `max_tokens`: as sent)."""
         elapsed_ms = 1000 * result.elapsed
         if result.error is not None:
             refused = is_overload(result.error)
@@ -273,6 +285,9 @@ class StreamingUser:
                 fire("inter_chunk", (after - before) / 1e6)
             if result.elapsed > 0:
                 fire("tokens_per_s", tokens / result.elapsed, length=tokens)
+            if guide is not None:
+                record["validity"] = check(result.text, guide.schema, tokens, max_tokens)
+                fire_validity(record["validity"], elapsed_ms, tokens)
         self.write(record, result)
 
     def write(self, record: dict, result: StreamResult) -> None:
@@ -315,6 +330,16 @@ def fire(name: str, value_ms: float, length: int = 0, exception: str | None = No
     )
 
 
+# A guided answer's Locust entry (`structured_output`): a success when valid under its schema,
+# else a failure with one of these messages (Locust's failures table counts each apart).
+VALIDITY_FAILURES = {"invalid": "invalid under its schema", "cut": "cut by max_tokens"}
+
+
+def fire_validity(verdict: str, elapsed_ms: float, tokens: int) -> None:
+    """The `structured_output` entry of one guided answer (structured.check's verdict)."""
+    fire("structured_output", elapsed_ms, length=tokens, exception=VALIDITY_FAILURES.get(verdict))
+
+
 class GrpcUser(StreamingUser, User):
     """Streams over gRPC on the process's shared channels (one StreamPool per host)."""
 
@@ -345,14 +370,17 @@ class GrpcUser(StreamingUser, User):
         def on_chunk(result: StreamResult) -> None:
             self.current = (record, result)
 
+        prompt = self.render(self.walk.next_request())
+        guide = self.walk.guide()
         result = self.pool.generate(
-            self.render(self.walk.next_request()),
+            prompt,
             timeout=self.options.stream_timeout,
             on_chunk=on_chunk,
             **params,
+            **guide_inputs(guide),
         )
         self.walk.answered(result.text if result.error is None else None)
-        self.finish(record, result)
+        self.finish(record, result, guide, params["max_tokens"])
 
 
 class OpenAIUser(StreamingUser, FastHttpUser):
@@ -390,6 +418,9 @@ class OpenAIUser(StreamingUser, FastHttpUser):
             if name in params:
                 body[name] = params[name]
         messages = self.walk.next_request()
+        guide = self.walk.guide()
+        if guide is not None:
+            body["response_format"] = response_format(guide)
         if self.options.openai_completions:
             return "/v1/completions", {**body, "prompt": raw_text(messages)}
         return "/v1/chat/completions", {**body, "messages": messages}
@@ -398,6 +429,7 @@ class OpenAIUser(StreamingUser, FastHttpUser):
     def generate(self) -> None:
         record = self.next_request()
         path, body = self.body(record["mode"])
+        guide = self.walk.guide()
         result = StreamResult(sent_ns=time.time_ns())
         self.current = (record, result)
         try:
@@ -414,7 +446,14 @@ class OpenAIUser(StreamingUser, FastHttpUser):
             result.error = result.error or f"{type(error).__name__}: {error}"
         result.done_ns = result.done_ns or time.time_ns()
         self.walk.answered(result.text if result.error is None else None)
-        self.finish(record, result)
+        self.finish(record, result, guide, body["max_tokens"])
+
+
+def response_format(guide: Guide) -> dict:
+    """A guide as OpenAI's response_format asks for it."""
+    if guide.guide_type == "json":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": guide.schema}}
 
 
 def read_events(stream, result: StreamResult) -> None:

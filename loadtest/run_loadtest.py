@@ -2,7 +2,7 @@
 
     .venv/bin/python loadtest/run_loadtest.py [--modes k0,adaptive,k0-again]
         [--stages 1,4,16,64,128,256,512] [--window-seconds 20] [--max-tokens 64] [--smoke]
-        [--workload chat|grounded|rewrite|shared-prefix|multi-turn]
+        [--workload chat|grounded|rewrite|shared-prefix|multi-turn|agentic|structured]
 
 Starts a server of its own (or uses --url and --metrics-url) and one Locust run on it
 (loadtest/locustfile.py, GrpcUser) by a plan (loadtest/schedule.py): at each stage of users
@@ -176,6 +176,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def validity_line(rows: list[dict]) -> str:
+    """The guided answers (structured) valid / invalid / cut by users and mode, as a line
+    of the summary; '' without any."""
+    counted = [r for r in rows if r.get("valid_outputs") is not None]
+    if not counted:
+        return ""
+    counts = ", ".join(
+        f"{r['users']} {r['mode']} {r['valid_outputs']}/{r['invalid_outputs']}/{r['cut_outputs']}"
+        for r in counted
+    )
+    return f"Structured answers valid/invalid/cut by users and mode: {counts}\n"
+
+
 def refusals(row: dict) -> str:
     """How many, and how fast the refusal came back (p99)."""
     if not row["refusals"]:
@@ -246,7 +259,7 @@ def write_outputs(config: LoadtestConfig, rows: list[dict], meta: dict) -> None:
     floor = ", ".join(f"{u}: {x:.2f}x" for u, x in noise_floor(rows).items())
     (out / "summary.md").write_text(
         f"{table(rows)}\n\nNoise floor (k0-again / k0, server tok/s) by users: {floor or '-'}\n"
-        f"Locust process: {meta['locust_cpu_share']:.0%} of a core.\n"
+        f"Locust process: {meta['locust_cpu_share']:.0%} of a core.\n{validity_line(rows)}"
     )
     plot(rows, out / "summary.png")
 

@@ -218,9 +218,20 @@ def summarize_segments(
                 "queue_mean": sum(queued) / len(queued) if queued else None,
                 "queue_max": max(queued) if queued else None,
                 "draft_tokens_per_output_token": drafted_per_token(requests),
+                **validity_counts(requests),
             }
         )
     return rows
+
+
+def validity_counts(requests: list[dict]) -> dict[str, int | None]:
+    """Of the guided answers (structured: records with a `validity`), how many were valid,
+    invalid and cut (structured.check); None each where the requests had none."""
+    verdicts = [r["validity"] for r in requests if "validity" in r]
+    names = ("valid", "invalid", "cut")
+    if not verdicts:
+        return {f"{name}_outputs": None for name in names}
+    return {f"{name}_outputs": verdicts.count(name) for name in names}
 
 
 def ttft_figures(requests: list[dict]) -> dict:

@@ -14,7 +14,7 @@ from specdec.paths import PROJECT_ROOT
 sys.path.insert(0, str(PROJECT_ROOT / "loadtest"))
 from bench import parse_args, window_schedule  # noqa: E402
 from common import MODES, mode_inputs, parse_env  # noqa: E402
-from run_loadtest import DEFAULT_MODES, add_ratios, noise_floor, table  # noqa: E402
+from run_loadtest import DEFAULT_MODES, add_ratios, noise_floor, table, validity_line  # noqa: E402
 from schedule import (  # noqa: E402
     build_plan,
     client_tokens_between,
@@ -153,6 +153,33 @@ def test_summary_sets_client_against_server_and_counts_refusals_apart():
     assert row["server_ttft_p50_s"] == pytest.approx(0.999)  # arrival 0.001, token 1
     assert row["inter_chunk_p50_s"] == pytest.approx(1.0)
     assert row["queue_max"] == 3.0
+
+
+def test_summary_counts_guided_answers_by_validity_and_none_without_guides():
+    plan = build_plan([2], ["k0"], 10.0)
+    verdicts = ["valid", "valid", "cut", "invalid", "valid"]
+    records = [
+        request(0, sent=i, scheduled=i + 0.2, first=i + 0.5, last=i + 1, tokens=8, validity=v)
+        for i, v in enumerate(verdicts)
+    ]
+    refused = request(1, sent=9, scheduled=0, first=0, last=0, tokens=0, outcome="refused")
+    emitted = [(t / 10, float(t)) for t in range(100)]
+    metrics = {"emitted": emitted, "queued": [(5.0, 0.0)]}
+    segments = segments_of(plan, [*records, refused])
+    set_pure_intervals(segments)
+    (row,) = summarize_segments(segments, [*records, refused], metrics)
+    assert (row["valid_outputs"], row["invalid_outputs"], row["cut_outputs"]) == (3, 1, 1)
+    assert (
+        validity_line([row])
+        == "Structured answers valid/invalid/cut by users and mode: 2 k0 3/1/1\n"
+    )
+    for record in records:
+        del record["validity"]
+    segments = segments_of(plan, records)
+    set_pure_intervals(segments)
+    (row,) = summarize_segments(segments, records, metrics)
+    assert row["valid_outputs"] is row["invalid_outputs"] is row["cut_outputs"] is None
+    assert validity_line([row]) == ""
 
 
 def stage_row(users: int, mode: str, server: float | None) -> dict:

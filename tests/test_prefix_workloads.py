@@ -198,8 +198,8 @@ for workload in ("shared-prefix", "multi-turn"):
     grpc_user.pool = types.SimpleNamespace(generate=generate)
     grpc_user.render = locustfile.chat_format
     grpc_user.next_request = lambda: {"mode": "k0"}
-    grpc_user.params = lambda mode: {}
-    grpc_user.finish = lambda record, result: None
+    grpc_user.params = lambda mode: {"max_tokens": 8}
+    grpc_user.finish = lambda record, result, guide, max_tokens: None
     for _ in range(10):
         locustfile.GrpcUser.generate(grpc_user)
     openai_user = types.SimpleNamespace(environment=env, host="h", models={"h": "m"})

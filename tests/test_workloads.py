@@ -2,7 +2,7 @@
 enough, the rewrite set is what docs/benchmarks.md says it is and fits the model's context,
 no prompt is in two workloads, and the locustfile's --workload sends the workload named
 (multi-turn's conversations too, and agentic's tasks, a different one to each user, and
-structured's requests; the
+structured's requests with their guides, its answers reported as valid, invalid or cut; the
 prefix workloads' own checks: tests/test_prefix_workloads.py, agentic's:
 tests/test_agentic.py, structured's: tests/test_structured.py)."""
 
@@ -28,7 +28,7 @@ from common import (  # noqa: E402
     read_conversations,
     read_prompts,
 )
-from structured import read_structured  # noqa: E402
+from structured import MAX_TOKENS, read_structured  # noqa: E402
 
 # docs/benchmarks.md: the rewrite workload's categories, eight prompts each.
 REWRITE_CATEGORIES = ("style", "simplify", "restructure", "summarise", "perspective", "shorten")
@@ -149,3 +149,87 @@ def check_agentic_users(items: dict) -> None:
     assert all(request[:-1] == agentic.HEAD for request in first)
     assert all(request[-1]["content"].startswith("Ticket ") for request in first)
     assert len({request[-1]["content"] for request in first}) == 4
+
+
+# A Locust user on structured, as the probe above sets one up: the inputs of its next request,
+# and the entries it fires for answers that are valid, invalid and cut.
+LOCUST_STRUCTURED_PROBE = """
+import argparse, json, sys, types
+sys.argv = ["locust"]
+sys.path.insert(0, "loadtest")
+import locustfile
+from grpc_streams import StreamResult
+from locust import events
+
+parser = argparse.ArgumentParser()
+locustfile.add_arguments(parser)
+
+options = parser.parse_args(["--workload", "structured"])
+
+class Probe(locustfile.StreamingUser):
+    environment = types.SimpleNamespace(parsed_options=options)
+
+user = Probe()
+user.setup()
+messages = user.walk.next_request()
+guide = user.walk.guide()
+params = user.params("k0")
+fired = []
+events.request.add_listener(
+    lambda name, exception, **kw: fired.append([name, exception and str(exception)])
+)
+answers = {"valid": ('{"name": "set_reminder", "arguments": {"text": "tea", '
+                     '"minutes_from_now": 5}}', 20),
+           "invalid": ('{"name": "set_reminder"}', 8),
+           "cut": ('{"name": "set_re', params["max_tokens"])}
+contents = [request[-1]["content"] for request in user.workload.requests]
+reminders = user.workload.guides[contents.index("Remind me to water the plants in 45 minutes.")]
+records = {}
+for verdict, (text, tokens) in answers.items():
+    record = {"window": -1}
+    result = StreamResult(text=text, metrics={"num_output_tokens": tokens}, chunk_ns=[1, 2])
+    user.finish(record, result, reminders, params["max_tokens"])
+    records[verdict] = record.get("validity")
+sent = []  # GrpcUser's task on a scripted pool: what it sends, and what it checks against
+finished = []
+user.pool = types.SimpleNamespace(
+    generate=lambda prompt, timeout, on_chunk, **params: sent.append(params) or StreamResult()
+)
+user.render = locustfile.chat_format
+user.next_request = lambda: {"mode": "k0"}
+user.finish = lambda record, result, guide, max_tokens: finished.append([guide.schema, max_tokens])
+locustfile.GrpcUser.generate(user)
+print(json.dumps({
+    "grpc_sent": sent[0],
+    "grpc_schema": user.walk.guide().schema,
+    "grpc_finished": finished[0],
+    "messages": messages,
+    "schema": guide.schema,
+    "max_tokens": params["max_tokens"],
+    "validity": records,
+    "entries": [entry for entry in fired if entry[0] == "structured_output"],
+    "response_format": locustfile.response_format(guide),
+}))
+"""
+
+
+def test_a_locust_user_on_structured_sends_the_guide_and_reports_each_answers_validity():
+    probe = run_probe(LOCUST_STRUCTURED_PROBE)
+    requests, guides = read_structured(STRUCTURED["structured"])
+    assert probe["schema"] == guides[requests.index(probe["messages"])].schema
+    assert probe["max_tokens"] == MAX_TOKENS  # --max-tokens 128 by default: raised
+    assert probe["validity"] == {"valid": "valid", "invalid": "invalid", "cut": "cut"}
+    assert probe["entries"] == [
+        ["structured_output", None],
+        ["structured_output", "invalid under its schema"],
+        ["structured_output", "cut by max_tokens"],
+    ]
+    sent = probe["grpc_sent"]
+    assert json.loads(sent["guided_decoding_guide"]) == probe["grpc_schema"]
+    assert sent["guided_decoding_guide_type"] == "json_schema"
+    assert sent["max_tokens"] == MAX_TOKENS
+    assert probe["grpc_finished"] == [probe["grpc_schema"], MAX_TOKENS]  # checked against it
+    assert probe["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": probe["schema"]},
+    }
