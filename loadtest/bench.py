@@ -204,6 +204,8 @@ class LevelResult:
     ngram_accepted: float = 0.0
     suffix_draft_tokens: float = 0.0
     suffix_accepted: float = 0.0
+    grammar_draft_tokens: float = 0.0
+    grammar_accepted: float = 0.0
     # Of the answers to guided requests (structured), those valid under their schema, those
     # that broke it and those cut by max_tokens (structured.check); None: no guided request.
     valid_outputs: int | None = None

@@ -195,8 +195,9 @@ TIMED_PARTS = (*LOOP_PARTS, "outbox")
 # The engine calls the loop makes, whose count and returned bytes the server counts
 # (specdec_engine_calls_total, specdec_engine_result_bytes_total; absent on older servers).
 ENGINE_CALL_KINDS = ("draft", "target")
-# specdec_proposer_*_tokens_total's labels (a server without suffix: its counters read 0)
-PROPOSER_NAMES = ("draft_model", "ngram", "suffix")
+# specdec_proposer_*_tokens_total's labels (a server without suffix or grammar: its counters
+# read 0; grammar proposes the tokens a guided request's grammar forces)
+PROPOSER_NAMES = ("draft_model", "ngram", "suffix", "grammar")
 
 
 def loop_counters(values: dict[str, float]) -> dict[str, float]:

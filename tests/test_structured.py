@@ -310,3 +310,19 @@ def test_make_bench_structured_runs_the_workload_in_three_modes_at_two_levels():
     assert config.workloads == ["structured"] and config.concurrency == [1, 16]
     assert config.modes == ["k0", "adaptive", "k0-again"]
     assert read_workload("structured").max_tokens(config.max_tokens) == MAX_TOKENS
+
+
+def test_bench_reads_the_grammar_proposers_tokens_from_the_servers_counters():
+    """The tokens a grammar forced (the server's `grammar` proposer), beside the others'."""
+    from common import counter_deltas
+
+    def scrape(drafted: float, accepted: float) -> dict[str, float]:
+        return {
+            'specdec_proposer_draft_tokens_total{proposer="grammar"}': drafted,
+            'specdec_proposer_accepted_draft_tokens_total{proposer="grammar"}': accepted,
+            "specdec_iterations_total": drafted,
+        }
+
+    counted = counter_deltas(scrape(10, 10), scrape(50, 48))
+    assert (counted["grammar_draft_tokens"], counted["grammar_accepted"]) == (40, 38)
+    assert {"grammar_draft_tokens", "grammar_accepted"} <= set(LevelResult.__dataclass_fields__)
