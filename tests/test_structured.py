@@ -39,6 +39,8 @@ from structured import (  # noqa: E402
 )
 from walks import Workload, strided  # noqa: E402
 
+ANSWERS = PROJECT_ROOT / "loadtest" / "structured_answers.jsonl"
+
 ORDER = {
     "type": "object",
     "properties": {
@@ -220,6 +222,20 @@ def test_the_guide_travels_as_tensorrt_llms_two_text_inputs():
         assert tensors[name].shape() == [1, 1] and tensors[name].datatype() == "BYTES"
         (value,) = deserialize_bytes_tensor(tensors[name]._get_content())
         assert value.decode() == text
+
+
+def test_max_tokens_leaves_room_for_every_measured_answer():
+    """loadtest/structured_answers.jsonl: the target's greedy answers, each under its grammar
+    (loadtest/structured_answers.py), one per request of the prompt file as it is now. Each
+    ended by itself and is valid, and MAX_TOKENS leaves half as much again as the longest."""
+    answers = [json.loads(line) for line in ANSWERS.read_text().splitlines() if line.strip()]
+    requests, guides = read_structured(STRUCTURED["structured"])
+    assert [answer["request"] for answer in answers] == [m[-1]["content"] for m in requests]
+    for answer, guide in zip(answers, guides, strict=True):
+        assert answer["ended"], answer["request"]
+        tokens = answer["num_output_tokens"]
+        assert check(answer["text"], guide.schema, tokens, MAX_TOKENS) == VALID, answer["text"]
+    assert 1.5 * max(answer["num_output_tokens"] for answer in answers) <= MAX_TOKENS
 
 
 def test_a_walk_hands_out_the_guide_of_the_request_it_sent():
