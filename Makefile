@@ -125,15 +125,16 @@ bench-controls: models
 
 # Structured output (guided decoding): the structured workload (loadtest/structured.py: JSON
 # extraction and tool calls, each request with the JSON schema its answer must follow) at 1 and
-# 16 streams, k = 0, adaptive and k = 0 again in interleaved windows on one server; answers of
-# up to structured.MAX_TOKENS tokens (room for every answer). Beside tokens/s, per level and
-# mode the answers valid under their schema, invalid, and cut by max_tokens:
+# 16 streams, k = 0, adaptive and k = 0 again in interleaved windows on one server, and
+# k0-unguided (the same prompts without their guides: what the mask costs); answers of up to
+# structured.MAX_TOKENS tokens (room for every answer). Beside tokens/s, per level and mode
+# the answers valid under their schema, invalid, and cut by max_tokens:
 # results/bench-structured-$(STRUCTURED_PRECISION).{json,csv,png}.
 STRUCTURED_PRECISION ?= bfloat16
 STRUCTURED_LEVEL_SECONDS ?= 30
 bench-structured: models
 	$(PY) loadtest/bench.py --name bench-structured-$(STRUCTURED_PRECISION) \
-		--workloads structured --modes k0,adaptive,k0-again --concurrency 1,16 \
+		--workloads structured --modes k0,k0-unguided,adaptive,k0-again --concurrency 1,16 \
 		--level-seconds $(STRUCTURED_LEVEL_SECONDS) --server-env DTYPE=$(STRUCTURED_PRECISION)
 
 # Prefix reuse (issue 31): the workloads whose prompts share prefixes (shared-prefix: one

@@ -82,6 +82,7 @@ from common import (
     percentile,
     read_workload,
     server_counters,
+    unguided,
     unknown_variants,
 )
 from specdec.client import GenerationResult, StreamingClient, generate
@@ -378,7 +379,8 @@ class StaggeredLoad:
                     else:
                         self.requests.append(request)
                 prompt = prompts.next_prompt(mode)
-                request.guide, request.max_tokens = prompts.guide(mode), max_tokens
+                request.guide = None if unguided(mode) else prompts.guide(mode)
+                request.max_tokens = max_tokens
                 request.result = client.generate(
                     prompt,
                     max_tokens=max_tokens,
@@ -884,8 +886,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default="k0,adaptive,k0-again",
         help=f"comma-separated, of {', '.join(MODES)}; each optionally with -sampled "
-        "(temperature 0.8), -penalized, -penalized-prompt or -controlcost (common.CONTROLS) "
-        "and -si<N> "
+        "(temperature 0.8), -penalized, -penalized-prompt or -controlcost (common.CONTROLS), "
+        "-unguided (structured's prompts without their guides) and -si<N> "
         "(stream_interval N), e.g. k4-sampled-si16",
     )
     parser.add_argument("--workloads", default="chat", help=f"of {', '.join(WORKLOAD_NAMES)}")

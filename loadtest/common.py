@@ -88,14 +88,22 @@ CONTROLS = {
 }
 VARIANT = re.compile(
     r"(?P<base>.+?)(?P<sampled>-sampled)?(?P<controls>-penalized-prompt|-penalized|-controlcost)?"
-    r"(?:-si(?P<interval>[1-9][0-9]*))?"
+    r"(?P<unguided>-unguided)?(?:-si(?P<interval>[1-9][0-9]*))?"
 )
+
+
+def unguided(name: str) -> bool:
+    """Whether mode `name` sends a guided workload's prompts without their guides
+    (`k0-unguided`: what the guide costs, against `k0` on the same prompts)."""
+    match = VARIANT.fullmatch(name)
+    return bool(match and match["unguided"])
 
 
 def mode_inputs(name: str) -> dict:
     """The request inputs of a MODES name with optional variant suffixes, in this order:
     `k4-sampled-si16` is k4 at temperature 0.8 with a response every 16 output tokens;
-    `adaptive-penalized` is adaptive with CONTROLS["-penalized"].
+    `adaptive-penalized` is adaptive with CONTROLS["-penalized"]; `-unguided` (see unguided)
+    sends no input of its own.
     stream_interval is sent only when it is not 1 (a server without it still serves the
     rest). Raises KeyError for a name that is none of these."""
     match = VARIANT.fullmatch(name)

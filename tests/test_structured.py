@@ -318,14 +318,23 @@ def test_the_validity_table_lists_only_levels_with_guided_requests():
     assert table.splitlines()[2:] == ["| structured | 1 | k0 | 9 | 1 | 0 |"]
 
 
-def test_make_bench_structured_runs_the_workload_in_three_modes_at_two_levels():
+def test_make_bench_structured_runs_the_workload_in_four_modes_at_two_levels():
     from test_agentic import make_commands
 
     (argv,) = make_commands("bench-structured")
     config = parse_args(argv)
     assert config.workloads == ["structured"] and config.concurrency == [1, 16]
-    assert config.modes == ["k0", "adaptive", "k0-again"]
+    assert config.modes == ["k0", "k0-unguided", "adaptive", "k0-again"]
     assert read_workload("structured").max_tokens(config.max_tokens) == MAX_TOKENS
+
+
+def test_an_unguided_mode_sends_the_prompts_without_their_guides():
+    """k0-unguided: plain decoding's inputs, and no guide (what a guide costs, against k0)."""
+    from common import mode_inputs, unguided
+
+    assert mode_inputs("k0-unguided") == mode_inputs("k0")
+    assert unguided("k0-unguided") and unguided("adaptive-sampled-unguided-si4")
+    assert not unguided("k0") and not unguided("adaptive-penalized")
 
 
 def test_bench_reads_the_grammar_proposers_tokens_from_the_servers_counters():
