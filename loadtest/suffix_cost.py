@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import LOADTEST, read_prompts
+from common import WORKLOADS, read_prompts
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.proposers.base import Candidate
 from specdec.loop.proposers.suffix import SuffixProposer
@@ -32,9 +32,10 @@ from specdec.text.tokenizer import load_tokenizer
 
 
 def corpus() -> list[list[int]]:
-    """The target's tokens of every prompt of the load tests' prompt files."""
+    """The target's tokens of every prompt of the load tests' prompt files (those of one
+    request per prompt)."""
     tokenizer = load_tokenizer(str(PROJECT_ROOT / "models" / "smollm2-135m-instruct"))
-    texts = [p for path in sorted(LOADTEST.glob("prompts*.jsonl")) for p in read_prompts(path)]
+    texts = [p for path in sorted(WORKLOADS.values()) for p in read_prompts(path)]
     return [tokenizer.encode(text) for text in texts]
 
 
