@@ -60,15 +60,10 @@ def scripted_grammars() -> Grammars:
     return Grammars(info, VOCAB)
 
 
-def pair(guide: Guide) -> tuple[str, str]:
-    """A request's guide as the engines take it."""
-    return guide.type, guide.text
-
-
 def allowed_after(grammars: Grammars, guide: Guide, output: list[int]) -> set[int] | None:
     """The tokens a fresh matcher allows after `output`; None where the output already left
     the grammar (or ended)."""
-    matcher = grammars.matcher(pair(guide), END)
+    matcher = grammars.matcher(guide.pair, END)
     for token in output:
         if matcher.is_terminated() or not matcher.accept_token(token):
             return None
@@ -298,7 +293,7 @@ def test_positioned_matchers_roll_back_and_rebuild_as_a_fresh_matcher(scripted_g
     texts = [[0, 2, 3, 1], [0, 2], [0, 2, 4, 4, 3], [1, 0], [1, 0, 1, 1, 1, 1]]
     for guide in (PATTERN, Guide("regex", "(a|b)(a|b|c|d|e)*")):
         for text in texts:
-            matcher = matchers.at(("target", 0), pair(guide), END, text)
+            matcher = matchers.at(("target", 0), guide.pair, END, text)
             expected = allowed_after(scripted_grammars, guide, text)
             if expected is None:
                 assert matcher is None
@@ -345,7 +340,7 @@ def parse(grammars: Grammars, **inputs) -> GenerationRequest:
         max_context=64,
         max_draft_tokens=8,
         default_end_id=END,
-        check_guide=lambda guide: grammars.compile(pair(guide)),
+        check_guide=lambda guide: grammars.compile(guide.pair),
     )
 
 
@@ -477,7 +472,7 @@ def hf_guided(
     kw = (
         {}
         if guide is None
-        else {"logits_processor": [LogitsProcessor(grammars.compile(pair(guide)))]}
+        else {"logits_processor": [LogitsProcessor(grammars.compile(guide.pair))]}
     )
     with torch.inference_mode():
         out = model.generate(

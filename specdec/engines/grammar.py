@@ -104,7 +104,8 @@ class _Positioned:
 
 
 class PositionedMatchers:
-    """Matchers along rows' text, by key (an engine role and a slot): a cache, see above."""
+    """Matchers along rows' text, by key (the engines: a role and a slot, a cache, see
+    above; the grammar proposer: a sequence)."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
@@ -133,13 +134,9 @@ class PositionedMatchers:
             return None  # past its end token: nothing after it is used
         return entry.matcher
 
-    def forget(self, keys_kept: set[Hashable] | None = None) -> None:
-        """Drops every matcher (or every one whose key is not in keys_kept)."""
-        if keys_kept is None:
-            self.entries.clear()
-        else:
-            for key in [k for k in self.entries if k not in keys_kept]:
-                del self.entries[key]
+    def drop(self, key: Hashable) -> None:
+        """Forgets the matcher under `key` (its row ended)."""
+        self.entries.pop(key, None)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

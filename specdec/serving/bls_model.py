@@ -478,7 +478,7 @@ class TritonPythonModel:
         """Compiles a request's guide (cached), or raises ValueError saying why not."""
         if self.engines.grammars is None:
             raise ValueError("guided decoding is not available on this server")
-        self.engines.grammars.compile((guide.type, guide.text))
+        self.engines.grammars.compile(guide.pair)
 
     def _respond(self, update: Update) -> None:
         sequence = update.sequence

@@ -53,6 +53,11 @@ class Guide:
     type: str
     text: str = ""
 
+    @property
+    def pair(self) -> tuple[str, str]:
+        """(type, text): the guide as the engines take it (specdec/engines/grammar.py)."""
+        return self.type, self.text
+
 
 @dataclass
 class GenerationRequest:

@@ -19,7 +19,7 @@ k = 0 stays plain guided decoding.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from specdec.loop.proposers.base import Candidate, Offer, Proposal, Proposer
 from specdec.loop.proposers.ngram import NgramIndex
@@ -58,51 +58,41 @@ class GrammarProposer(Proposer):
     def __init__(self, config: SchedulerConfig, engines: Engines) -> None:
         super().__init__(config, engines)
         self.grammars = getattr(engines, "grammars", None)  # specdec/engines/grammar.py
-        self.matchers: dict[int, tuple[Any, int]] = {}  # by sequence id: (matcher, consumed)
-        self.forced: dict[int, list[int]] = {}  # by sequence id: this step's offer
+        self.matchers = None  # by sequence id: each after the row's committed output
+        if self.grammars is not None:
+            from specdec.engines.grammar import PositionedMatchers
+
+            self.matchers = PositionedMatchers(self.grammars)
+        self.proposals: dict[int, list[int]] = {}  # by sequence id: this step's offer
         self.indexes: dict[int, NgramIndex] = {}  # by sequence id: its text, for lookups
 
     def offer(self, candidate: Candidate) -> Offer:
         sequence = candidate.sequence
-        self.forced.pop(sequence.id, None)
-        if sequence.request.guide is None or self.grammars is None or candidate.max_k <= 0:
+        self.proposals.pop(sequence.id, None)
+        request = sequence.request
+        if request.guide is None or self.matchers is None or candidate.max_k <= 0:
             return Offer(0)
-        matcher = self._matcher(sequence)
+        output = sequence.token_ids[len(request.prompt_ids) :]
+        # None once the row ended or left the grammar (which the engines' masks never let it)
+        matcher = self.matchers.at(sequence.id, request.guide.pair, request.end_id, output)
         if matcher is None:
             return Offer(0)
         from specdec.engines.grammar import forced_tokens
 
-        forced = forced_tokens(matcher, self.grammars.vocab_size, candidate.max_k)
+        forced = forced_tokens(matcher, self.matchers.grammars.vocab_size, candidate.max_k)
         index = self.indexes.setdefault(sequence.id, NgramIndex())
         lookup = index.propose(sequence.token_ids, candidate.max_k - len(forced), then=forced)
         proposal = forced + allowed_prefix(matcher, forced, lookup)
-        self.forced[sequence.id] = proposal
+        self.proposals[sequence.id] = proposal
         return Offer(len(proposal), min(len(forced), MAX_FORCED_KEY) if proposal else None)
 
     def propose(
         self, rows: list[SequenceState], ks: list[int], copies: list[CacheCopy]
     ) -> list[Proposal]:
-        return [Proposal(self.forced[s.id][:k]) for s, k in zip(rows, ks, strict=True)]
+        return [Proposal(self.proposals[s.id][:k]) for s, k in zip(rows, ks, strict=True)]
 
     def release(self, sequence: SequenceState) -> None:
-        self.matchers.pop(sequence.id, None)
-        self.forced.pop(sequence.id, None)
+        if self.matchers is not None:
+            self.matchers.drop(sequence.id)
+        self.proposals.pop(sequence.id, None)
         self.indexes.pop(sequence.id, None)
-
-    def _matcher(self, sequence: SequenceState):
-        """The row's matcher after its committed output; None once it ended or left the
-        grammar (which the engines' masks never let it)."""
-        request = sequence.request
-        assert request.guide is not None and self.grammars is not None
-        entry = self.matchers.get(sequence.id)
-        if entry is None:
-            guide = (request.guide.type, request.guide.text)
-            entry = (self.grammars.matcher(guide, request.end_id), 0)
-        matcher, consumed = entry
-        output = sequence.token_ids[len(request.prompt_ids) :]
-        for token in output[consumed:]:
-            if matcher.is_terminated() or not matcher.accept_token(int(token)):
-                self.matchers[sequence.id] = (matcher, len(output))
-                return None
-        self.matchers[sequence.id] = (matcher, len(output))
-        return None if matcher.is_terminated() else matcher
