@@ -327,6 +327,23 @@ def parse_env(text: str) -> dict[str, str]:
     return env
 
 
+def target_passes(answer: list[int], propose: Callable[[int], list[int]]) -> int:
+    """Target passes to write `answer` where each pass, at position p, verifies the proposal
+    `propose(p)` (the tokens guessed after answer[:p]): it emits the proposal's tokens up to
+    the first wrong one, and one token of the target's own. Offline analyses' tokens per
+    pass."""
+    position = passes = 0
+    while position < len(answer):
+        accepted = 0
+        for proposed, actual in zip(propose(position), answer[position:], strict=False):
+            if proposed != actual:
+                break
+            accepted += 1
+        position += accepted + 1
+        passes += 1
+    return passes
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile; None for no values."""
     if not values:

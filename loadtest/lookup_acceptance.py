@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PROJECT_ROOT, chat_template, read_workload  # noqa: E402
+from common import PROJECT_ROOT, chat_template, read_workload, target_passes  # noqa: E402
 from specdec.loop.proposers.ngram import NgramIndex  # noqa: E402
 from specdec.text.tokenizer import load_tokenizer  # noqa: E402
 
@@ -60,18 +60,9 @@ def greedy_answer(model, prompt_ids: list[int], penalty: float, max_tokens: int,
 
 def passes_at_k(prompt_ids: list[int], output: list[int], k: int = MAX_DRAFT) -> int:
     """Target passes to emit `output` with prompt lookup proposing up to k tokens every
-    step: each pass emits the accepted proposals and one token of the target's own."""
-    index, position, passes = NgramIndex(), 0, 0
-    while position < len(output):
-        proposal = index.propose(list(prompt_ids) + output[:position], k)
-        accepted = 0
-        for proposed, actual in zip(proposal, output[position:], strict=False):
-            if proposed != actual:
-                break
-            accepted += 1
-        position += accepted + 1
-        passes += 1
-    return passes
+    step."""
+    index = NgramIndex()
+    return target_passes(output, lambda p: index.propose(list(prompt_ids) + output[:p], k))
 
 
 def score(prompt_ids: list[int], output: list[int]) -> dict[str, list[int]]:

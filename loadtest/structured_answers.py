@@ -1,14 +1,15 @@
 """The target's greedy answers to the structured workload, each under its request's grammar,
 offline: the measurement behind structured.MAX_TOKENS (docs/benchmarks.md, the method).
 
-    .venv/bin/python loadtest/structured_answers.py [--compact] [--out FILE]
+    .venv/bin/python loadtest/structured_answers.py [--whitespace compact|any] [--out FILE]
 
 Transformers' `generate` on the target in float32, greedy, with xgrammar's logits processor
 (xgrammar.contrib.hf) for each request's JSON schema, up to LIMIT tokens. Writes one line per
 request: its last user message, its output tokens (the end token not counted), whether the
-end token came, and the text. `--compact` compiles the schemas without free whitespace
-(xgrammar's any_whitespace=False); the default is xgrammar's own (any whitespace between
-tokens of JSON). tests/test_structured.py checks the written answers against their schemas
+end token came, and the text. The schemas compile as the server compiles them
+(specdec/engines/grammar.py), with `--whitespace` as its GUIDED_JSON_WHITESPACE (compact
+by default: a space after each comma and colon, none elsewhere; any: whitespace anywhere
+between JSON's tokens). tests/test_structured.py checks the written answers against their schemas
 and MAX_TOKENS.
 """
 
@@ -19,6 +20,7 @@ import json
 from pathlib import Path
 
 from common import STRUCTURED
+from specdec.engines.grammar import JSON_WHITESPACES, Grammars
 from specdec.paths import PROJECT_ROOT
 from structured import read_structured
 
@@ -27,19 +29,19 @@ ANSWERS = PROJECT_ROOT / "loadtest" / "structured_answers.jsonl"
 LIMIT = 400  # well past any answer: one that reaches it shows up as not ended
 
 
-def answer_all(compact: bool) -> list[dict]:
+def answer_all(whitespace: str) -> list[dict]:
     import torch
-    import xgrammar
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from xgrammar.contrib.hf import LogitsProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
-    compiler = xgrammar.GrammarCompiler(info)
+    grammars = Grammars.for_tokenizer(
+        str(MODEL), model.config.vocab_size, json_whitespace=whitespace
+    )
     answers = []
     for messages, guide in zip(*read_structured(STRUCTURED["structured"]), strict=True):
-        grammar = compiler.compile_json_schema(guide.guide, any_whitespace=not compact)
+        grammar = grammars.compile((guide.guide_type, guide.guide))
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]  # (1, prompt tokens)
         with torch.no_grad():
@@ -65,10 +67,10 @@ def answer_all(compact: bool) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compact", action="store_true", help="no free whitespace in JSON")
+    parser.add_argument("--whitespace", choices=JSON_WHITESPACES, default=JSON_WHITESPACES[0])
     parser.add_argument("--out", type=Path, default=ANSWERS)
     args = parser.parse_args()
-    answers = answer_all(args.compact)
+    answers = answer_all(args.whitespace)
     args.out.write_text("".join(json.dumps(answer) + "\n" for answer in answers))
     longest = max(answer["num_output_tokens"] for answer in answers)
     ended = sum(answer["ended"] for answer in answers)

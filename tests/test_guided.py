@@ -83,9 +83,8 @@ def masked_argmax(logits: torch.Tensor, allowed: set[int]) -> int:
 
 def guided_request(prompt: list[int], max_tokens: int = 4, **kw) -> GenerationRequest:
     kw.setdefault("guide", PATTERN)
-    return GenerationRequest(
-        prompt=None, prompt_ids=prompt, max_tokens=max_tokens, end_id=END, **kw
-    )
+    kw.setdefault("end_id", END)
+    return GenerationRequest(prompt=None, prompt_ids=prompt, max_tokens=max_tokens, **kw)
 
 
 def test_each_verified_position_is_masked_after_exactly_the_tokens_before_it(
@@ -282,6 +281,80 @@ def test_the_grammar_proposes_a_lookup_after_what_it_forces(scripted_grammars):
         offer = proposer.offer(Candidate(row, 8))
         assert (offer.num_tokens, offer.key) == (len(expected), 1), pattern
         assert proposer.propose([row], [offer.num_tokens], [])[0].token_ids == expected
+        proposer.release(row)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_grammars(target_dir) -> dict[str, Grammars]:
+    """The target tokenizer's grammars, by JSON whitespace."""
+    return {
+        whitespace: Grammars.for_tokenizer(str(target_dir), 49_152, json_whitespace=whitespace)
+        for whitespace in ("compact", "any")
+    }
+
+
+def test_json_whitespace_is_compact_by_default_and_any_where_set(tokenizer_grammars):
+    """Compact: one space after each comma and colon and none elsewhere, for a schema and for
+    any JSON (an object or an array); any: whitespace anywhere between JSON's tokens."""
+    schema = ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "array"}}}))
+    compact = ['{"a": [1, 2]}', '{"a": []}']
+    spaced = ['{"a":[1,2]}', '{ "a": [1, 2] }', '{\n  "a": [1,\n 2]\n}']
+
+    def completes(whitespace: str, guide, text: str) -> bool:
+        matcher = tokenizer_grammars[whitespace].matcher(guide, 2)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    for text in compact:
+        assert completes("compact", schema, text) and completes("any", schema, text), text
+        assert completes("compact", ("json", ""), text), text
+    for text in spaced:
+        assert not completes("compact", schema, text) and completes("any", schema, text), text
+        assert not completes("compact", ("json", ""), text), text
+        assert completes("any", ("json", ""), text), text
+    assert completes("compact", ("json", ""), "[1, {}]")
+    assert not completes("compact", ("json", ""), '"text"')
+    with pytest.raises(ValueError, match="json_whitespace"):
+        Grammars(tokenizer_grammars["any"].info, 49_152, json_whitespace="pretty")
+
+
+def test_the_grammar_proposes_the_text_it_writes_itself_as_the_tokenizer_splits_it(
+    tokenizer_grammars, target_dir
+):
+    """A schema's keys and punctuation are no single-token certainty (the vocabulary spells
+    '{"name' several ways), yet the grammar writes them: the proposer offers them as the
+    tokenizer splits them, then prompt lookup's continuation where the grammar allows it,
+    keyed by how many of the offer's tokens are the grammar's own."""
+    from types import SimpleNamespace
+
+    from specdec.loop.proposers.base import Candidate
+    from specdec.loop.proposers.grammar import GrammarProposer
+
+    tokenizer = load_tokenizer(str(target_dir))
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+        "required": ["name", "city"],
+    }
+    guide = Guide("json_schema", json.dumps(schema))
+    grammars = tokenizer_grammars["compact"]
+    proposer = GrammarProposer(None, SimpleNamespace(grammars=grammars))  # type: ignore[arg-type]
+    prompt = tokenizer.encode("Ada from Paris")
+    cases = (  # output so far, the grammar's own text, the lookup's text after it
+        ("", '{"name": "', ""),
+        ('{"name": "Ada"', ', "city": "', ""),
+        ('{"name": "Ada", "city": "Paris"', "}</s>", ""),  # then the end token, forced
+        ('{"name": "Ada from', "", " Paris"),  # the grammar writes nothing: the lookup
+    )
+    for output, own, looked_up in cases:
+        output_ids = tokenizer.encode(output) if output else []
+        row = sequence_of(guided_request(prompt, 64, guide=guide, end_id=2), output_ids, 0)
+        offer = proposer.offer(Candidate(row, 8))
+        proposal = proposer.propose([row], [offer.num_tokens], [])[0].token_ids
+        own_ids = tokenizer.encode(own.removesuffix("</s>")) if own else []
+        own_ids += [2] if own.endswith("</s>") else []
+        assert proposal[: len(own_ids)] == own_ids, (output, tokenizer.decode(proposal))
+        assert tokenizer.decode(proposal[len(own_ids) :]).startswith(looked_up), output
+        assert offer.key == min(len(own_ids), 4), output
         proposer.release(row)
 
 

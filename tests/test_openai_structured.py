@@ -21,7 +21,9 @@ CITY_SCHEMA = {
     "properties": {
         "city": {"type": "string", "maxLength": 30},
         "country": {"type": "string", "maxLength": 30},
-        "population": {"type": "integer"},
+        # bounded, as every field here: unbounded, the 135M model's greedy answer under the
+        # compact grammar writes 1111... until max_tokens
+        "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000},
     },
     "required": ["city", "country", "population"],
     "additionalProperties": False,

@@ -176,6 +176,7 @@ BAD = {
     "NUM_SLOTS": "0",
     "MAX_CONTEXT": "1",
     "PROPOSERS": "medusa",
+    "GUIDED_JSON_WHITESPACE": "pretty",
     "DEFAULT_NUM_DRAFT_TOKENS": "-1",
     "NGRAM_MATCH_LENGTHS": "1,2",
     "SUFFIX_STORE_BYTES": "64MB",
@@ -205,6 +206,7 @@ GIVEN = {
     "NUM_SLOTS": "8",
     "MAX_CONTEXT": "512",
     "PROPOSERS": "ngram",
+    "GUIDED_JSON_WHITESPACE": "any",
     "DEFAULT_NUM_DRAFT_TOKENS": "3",
     "NGRAM_MATCH_LENGTHS": "4,2",
     "SUFFIX_STORE_BYTES": "1048576",
@@ -486,8 +488,8 @@ def test_the_bls_creates_both_engines_from_its_settings(glue, monkeypatch, tmp_p
         calls.append((args, kwargs))
         return engine
 
-    def for_tokenizer(path: str, vocab_size: int):
-        grammars.append((path, vocab_size))
+    def for_tokenizer(path: str, vocab_size: int, json_whitespace: str):
+        grammars.append((path, vocab_size, json_whitespace))
         return None
 
     grammars: list[tuple] = []
@@ -499,7 +501,7 @@ def test_the_bls_creates_both_engines_from_its_settings(glue, monkeypatch, tmp_p
     bls_model.create_engines({})
     # guided rows' grammars: the target's tokenizer, over its vocabulary
     target = str(tmp_path / "models/smollm2-135m-instruct")
-    assert grammars == [("/opt/target", 49_152), (target, 49_152)]
+    assert grammars == [("/opt/target", 49_152, "any"), (target, 49_152, "compact")]
     common = dict(num_slots=8, max_length=512, device="cuda:1", dtype="bfloat16", cuda_graphs=True)
     defaults = dict(num_slots=64, max_length=2048, device="cpu", dtype="float32", cuda_graphs=None)
     assert calls == [

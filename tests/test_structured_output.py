@@ -48,19 +48,15 @@ def request(**fields) -> ChatCompletionRequest:
 
 @pytest.fixture(scope="module")
 def compiler(target_dir):
-    from transformers import AutoTokenizer
+    """The BLS's grammars, with its default whitespace (compact)."""
+    from specdec.engines.grammar import Grammars
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152)
-    return xgr.GrammarCompiler(info, max_threads=1)
+    return Grammars.for_tokenizer(str(target_dir), 49152)
 
 
 def compile_guide(compiler, guided: Guide):
     """As the BLS compiles guides (specdec/engines/grammar.py)."""
-    return {
-        "json_schema": compiler.compile_json_schema,
-        "structural_tag": compiler.compile_structural_tag,
-    }[guided.type](guided.text)
+    return compiler.compile((guided.type, guided.text))
 
 
 def completes(compiled, text: str) -> bool:

@@ -22,7 +22,7 @@ Compiled grammars are xgrammar's compiler cache, bounded by GRAMMAR_CACHE_BYTES.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +38,40 @@ if TYPE_CHECKING:
 
 GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept (xgrammar's compiler cache)
 BITS = 32  # tokens per word of a bitmask (xgrammar's int32 words)
+# Where JSON (the `json` and `json_schema` guides) may put whitespace between its tokens:
+# `compact`: one space after each comma and colon, none elsewhere ({"a": 1, "b": [2, 3]});
+# `any`: any run of spaces, tabs and newlines (xgrammar's default). Compact is the default:
+# the grammar then writes every key, quote, colon and comma of a schema's object itself, which
+# the grammar proposer offers at no model call, and a small model cannot spend its answer on
+# whitespace until max_tokens.
+JSON_WHITESPACES = ("compact", "any")
+# The `json` guide (any JSON object or array), as a schema where whitespace is compact.
+ANY_JSON_SCHEMA = '{"type": ["object", "array"]}'
 
 
 class Grammars:
     """A tokenizer's grammars: compiles guides (cached, bounded) and makes matchers."""
 
     def __init__(
-        self, info: xgrammar.TokenizerInfo, vocab_size: int, cache_bytes: int = GRAMMAR_CACHE_BYTES
+        self,
+        info: xgrammar.TokenizerInfo,
+        vocab_size: int,
+        cache_bytes: int = GRAMMAR_CACHE_BYTES,
+        json_whitespace: str = "compact",
+        encode: Callable[[str], list[int]] | None = None,
     ) -> None:
         import xgrammar as xgr
 
+        if json_whitespace not in JSON_WHITESPACES:
+            raise ValueError(
+                f"json_whitespace: {json_whitespace!r} is not one of {JSON_WHITESPACES}"
+            )
         self.info = info
         self.vocab_size = vocab_size
+        self.json_whitespace = json_whitespace
+        # text -> the tokenizer's tokens for it (no special tokens); None: text can't be
+        # proposed, only what the mask forces (jump_forward_tokens)
+        self.encode = encode
         self.compiler = xgr.GrammarCompiler(
             info, max_threads=1, cache_enabled=True, cache_limit_bytes=cache_bytes
         )
@@ -62,26 +84,35 @@ class Grammars:
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        return cls(info, vocab_size, **kw)
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        return cls(info, vocab_size, encode=encode, **kw)
 
     def compile(self, guide: Guide) -> xgrammar.CompiledGrammar:
         """The guide compiled (from the cache where it was compiled before); ValueError
         where it is not a valid one of its type, with the compiler's first line of why."""
         kind, text = guide
-        compile_guide = {
-            "json": lambda _: self.compiler.compile_builtin_json_grammar(),
-            "json_schema": self.compiler.compile_json_schema,
-            "regex": self.compiler.compile_regex,
-            "ebnf_grammar": self.compiler.compile_grammar,
-            "structural_tag": self.compiler.compile_structural_tag,
-        }.get(kind)
-        if compile_guide is None:
-            raise ValueError(f"unknown guide type {kind!r}")
+        compiler = self.compiler
+        compact = self.json_whitespace == "compact"
         try:
-            return compile_guide(text)
+            if kind == "json" and compact:
+                return compiler.compile_json_schema(ANY_JSON_SCHEMA, any_whitespace=False)
+            if kind == "json":
+                return compiler.compile_builtin_json_grammar()
+            if kind == "json_schema":
+                return compiler.compile_json_schema(text, any_whitespace=not compact)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "ebnf_grammar":
+                return compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(text)
         except Exception as error:  # xgrammar raises RuntimeError, ValueError, ...
             lines = str(error).strip().splitlines()
             raise ValueError(f"not a valid {kind}: {lines[0] if lines else repr(error)}") from error
+        raise ValueError(f"unknown guide type {kind!r}")
 
     def matcher(self, guide: Guide, end_id: int) -> xgrammar.GrammarMatcher:
         """A matcher at the start of the guide's text; end_id is the token that ends it."""
@@ -178,6 +209,33 @@ def is_allowed(bitmask: torch.Tensor, rows: np.ndarray, tokens: np.ndarray) -> n
     """(G,) bool: whether bitmask lines `rows` allow their tokens (G,)."""
     words = bitmask.numpy().view(np.uint32)[rows, tokens // BITS]
     return (words >> (tokens % BITS).astype(np.uint32)) & 1 == 1
+
+
+def jump_forward_tokens(grammars: Grammars, matcher, limit: int) -> list[int]:
+    """Up to `limit` tokens spelling the text the grammar writes itself after the matcher's
+    state (xgrammar's jump-forward string: the rest of a key, `": "`, a closing brace), as
+    the tokenizer splits it and as far as the grammar takes those tokens; [] without an
+    encoder. Unlike forced_tokens these are not certain: where the vocabulary spells the text
+    more than one way, the target may choose another split."""
+    if grammars.encode is None or limit <= 0 or matcher.is_terminated():
+        return []
+    text = matcher.find_jump_forward_string()
+    return allowed_prefix(matcher, [], grammars.encode(text)[:limit]) if text else []
+
+
+def allowed_prefix(matcher, ahead: list[int], tokens: list[int]) -> list[int]:
+    """The longest prefix of `tokens` the grammar allows after `ahead` (tokens it allows),
+    the matcher left where it was."""
+    for token in ahead:
+        matcher.accept_token(token)
+    kept = []
+    for token in tokens:
+        if matcher.is_terminated() or not matcher.accept_token(int(token)):
+            break
+        kept.append(int(token))
+    if len(ahead) + len(kept):
+        matcher.rollback(len(ahead) + len(kept))
+    return kept
 
 
 def forced_tokens(matcher, vocab_size: int, limit: int) -> list[int]:

@@ -104,7 +104,11 @@ def create_engines(params: dict[str, str]) -> LocalEngines:
             )
         )
     target_path = resolve_path(settings.TARGET_CHECKPOINT.read(params))
-    grammars = Grammars.for_tokenizer(str(target_path), engines[1].config.vocab_size)
+    grammars = Grammars.for_tokenizer(
+        str(target_path),
+        engines[1].config.vocab_size,
+        json_whitespace=settings.GUIDED_JSON_WHITESPACE.read(params),
+    )
     return LocalEngines(engines[0], engines[1], grammars)
 
 

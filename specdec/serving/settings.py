@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from specdec.engines.grammar import JSON_WHITESPACES
 from specdec.engines.select import DTYPES, ENGINES
 from specdec.loop.config import SchedulerConfig
 from specdec.loop.proposers import REGISTRY
@@ -419,8 +420,19 @@ PROPOSERS = Setting(
     parse_proposers,
     "where draft tokens come from, in order of preference: `draft_model` (the draft model), "
     "`ngram` (prompt lookup, no model call), `suffix` (earlier requests' text and the row's "
-    'own, no model call); `""`: no speculation',
+    "own, no model call), `grammar` (what a guided row's grammar writes itself, then prompt "
+    'lookup; no model call); `""`: no speculation',
     empty_is_value=True,
+)
+GUIDED_JSON_WHITESPACE = Setting(
+    "GUIDED_JSON_WHITESPACE",
+    "guided_json_whitespace",
+    (BLS_MODEL,),
+    "compact",
+    one_of(*JSON_WHITESPACES),
+    "whitespace in guided JSON (`json`, `json_schema`, OpenAI `response_format`): `compact` "
+    '(`{"a": 1, "b": [2]}`: the grammar writes keys and punctuation itself, the grammar '
+    "proposer offers them) or `any` (any spaces and newlines between JSON tokens)",
 )
 DEFAULT_NUM_DRAFT_TOKENS = Setting(
     "DEFAULT_NUM_DRAFT_TOKENS",
@@ -553,6 +565,7 @@ SETTINGS: tuple[Setting, ...] = (
     NUM_SLOTS,
     MAX_CONTEXT,
     PROPOSERS,
+    GUIDED_JSON_WHITESPACE,
     DEFAULT_NUM_DRAFT_TOKENS,
     NGRAM_MATCH_LENGTHS,
     SUFFIX_STORE_BYTES,

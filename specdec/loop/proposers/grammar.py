@@ -1,16 +1,21 @@
-"""The grammar as a proposer: where a guided row's grammar leaves no choice (the rest of a JSON
-key, the quote and colon after it, a closing brace), those tokens are proposed, at no model
-call (SGLang calls this jump-forward decoding); then, ahead of them, what prompt lookup finds
-after them in the row's text (a value copied from the prompt), as far as the grammar allows.
+"""The grammar as a proposer: where a guided row's grammar writes the text itself (the rest of a
+JSON key, the quote, colon and space after it, a closing brace), that text is proposed at no
+model call (SGLang calls this jump-forward decoding); then, ahead of it, what prompt lookup
+finds after it in the row's text (a value copied from the prompt), as far as the grammar
+allows.
 
-A token is proposed only where the mask allows that one token alone, so the target, masked
-the same way (specdec/engines/grammar.py), takes it whatever its logits: greedy or sampled,
-the proposal is accepted unless the row ends first. That is why this proposer reads the mask
-rather than xgrammar's jump-forward string: a forced string that the vocabulary splits more
-than one way is a choice for the target, not a certainty. The cost model (LookupPlanner)
-still learns what its tokens are worth, as for any proposer without a model call, under a
-key that says how many of an offer's tokens are forced (those are certain, the lookup's are
-not).
+An offer is, in order:
+- forced tokens: each the one token the mask allows, so the target, masked the same way
+  (specdec/engines/grammar.py), takes it whatever its logits: greedy or sampled, it is
+  accepted unless the row ends first (the end token where the grammar is complete);
+- the jump-forward text, as the tokenizer splits it (jump_forward_tokens). Its text is
+  certain, its split is not: where the vocabulary spells it more than one way the target
+  chooses among them, and may choose another (the verify then rejects the rest, as it would
+  a wrong guess);
+- prompt lookup's continuation after those, cut where the grammar forbids it.
+The cost model (LookupPlanner) learns what an offer's tokens are worth, as for any proposer
+without a model call, under a key that says how many of them are the grammar's own (forced
+or jump-forward: near-certain; the lookup's are not).
 
 Its state is a matcher per guided row, advanced through the tokens the row commits; rows
 without a guide get no offer. With num_draft_tokens = 0 a row gets no proposals at all, so
@@ -30,24 +35,8 @@ if TYPE_CHECKING:
     from specdec.loop.config import SchedulerConfig
 
 
-# Offers' acceptance keys: how many of their tokens are forced, up to this many.
-MAX_FORCED_KEY = 4
-
-
-def allowed_prefix(matcher, forced: list[int], lookup: list[int]) -> list[int]:
-    """The longest prefix of `lookup` the grammar allows after `forced` (the matcher is left
-    where it was)."""
-    for token in forced:
-        matcher.accept_token(token)  # forced: always allowed
-    kept = []
-    for token in lookup:
-        if matcher.is_terminated() or not matcher.accept_token(int(token)):
-            break
-        kept.append(int(token))
-    accepted = len(forced) + len(kept)
-    if accepted:
-        matcher.rollback(accepted)
-    return kept
+# Offers' acceptance keys: how many of their tokens are the grammar's own, up to this many.
+MAX_GRAMMAR_KEY = 4
 
 
 class GrammarProposer(Proposer):
@@ -77,14 +66,21 @@ class GrammarProposer(Proposer):
         matcher = self.matchers.at(sequence.id, request.guide.pair, request.end_id, output)
         if matcher is None:
             return Offer(0)
-        from specdec.engines.grammar import forced_tokens
+        from specdec.engines.grammar import allowed_prefix, forced_tokens, jump_forward_tokens
 
-        forced = forced_tokens(matcher, self.matchers.grammars.vocab_size, candidate.max_k)
+        grammars = self.matchers.grammars
+        own = forced_tokens(matcher, grammars.vocab_size, candidate.max_k)
+        for token in own:
+            matcher.accept_token(token)
+        jumped = jump_forward_tokens(grammars, matcher, candidate.max_k - len(own))
+        if own:
+            matcher.rollback(len(own))
+        own += jumped
         index = self.indexes.setdefault(sequence.id, NgramIndex())
-        lookup = index.propose(sequence.token_ids, candidate.max_k - len(forced), then=forced)
-        proposal = forced + allowed_prefix(matcher, forced, lookup)
+        lookup = index.propose(sequence.token_ids, candidate.max_k - len(own), then=own)
+        proposal = own + allowed_prefix(matcher, own, lookup)
         self.proposals[sequence.id] = proposal
-        return Offer(len(proposal), min(len(forced), MAX_FORCED_KEY) if proposal else None)
+        return Offer(len(proposal), min(len(own), MAX_GRAMMAR_KEY) if proposal else None)
 
     def propose(
         self, rows: list[SequenceState], ks: list[int], copies: list[CacheCopy]
