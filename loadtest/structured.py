@@ -39,7 +39,7 @@ Message = dict[str, str]  # {"role", "content"} (as walks.Message)
 # grammar is the schema) and json (any JSON; the schema is only checked afterwards).
 CHECKED_GUIDE_TYPES = ("json_schema", "json")
 # Room for every answer: the longest of the target's greedy answers under their grammars took
-# 158 tokens (loadtest/structured_answers.py; docs/benchmarks.md, the method).
+# 163 tokens (loadtest/structured_answers.py; docs/benchmarks.md, the method).
 MAX_TOKENS = 256
 VALID, INVALID, CUT = "valid", "invalid", "cut"
 

@@ -282,6 +282,60 @@ def test_genai_perf_chat_endpoint(api, tmp_path):
         assert request["response_outputs"][-1]["response"].strip() == "data: [DONE]"
 
 
+def served_counts(metrics_url: str) -> tuple[float, float]:
+    """The server's requests (every outcome) and emitted tokens so far."""
+    metrics = scrape(metrics_url)
+    requests = sum(v for k, v in metrics.items() if k.startswith("specdec_requests_total{"))
+    return requests, metrics.get("specdec_emitted_tokens_total", 0.0)
+
+
+@pytest.mark.parametrize("endpoint_type", ["chat", "triton"])
+def test_aiperf_counts_what_the_server_counts(server, api, tmp_path, endpoint_type):
+    """AIPerf 0.13 (loadtest/aiperf.sh) in miniature, streamed, through the OpenAI API (chat)
+    and Triton's HTTP generate extension on the ensemble (triton): its requests are the
+    server's; its output tokens are the server's exactly where the answer reports usage
+    (chat), and within one token per request where AIPerf counts by tokenizing the streamed
+    text (triton: a token split across two chunks can be counted twice)."""
+    num_requests = 3
+    url = api.removeprefix("http://").removesuffix("/v1")
+    if endpoint_type == "triton":
+        url = f"127.0.0.1:{server.config.http_port}"
+    before = served_counts(server.metrics_url)
+    subprocess.run(
+        [str(PROJECT_ROOT / "loadtest" / "aiperf.sh"), "-m", MODEL, "-u", url]
+        + ["--concurrency", "1", "--request-count", str(num_requests)],
+        env={
+            **os.environ,
+            "ENDPOINT_TYPE": endpoint_type,
+            "INPUT_TOKENS": "16",
+            "OUTPUT_TOKENS": "8",
+            "ARTIFACT_DIR": str(tmp_path),
+        },
+        check=True,
+        capture_output=True,
+        timeout=900,  # the first run builds AIPerf's venv
+        cwd=PROJECT_ROOT,
+    )
+    requests, tokens = (
+        a - b for a, b in zip(served_counts(server.metrics_url), before, strict=True)
+    )
+    summary = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert summary["request_count"]["avg"] == num_requests == requests
+    assert summary["error_summary"] == []
+    records = [
+        json.loads(line) for line in (tmp_path / "profile_export.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == num_requests
+    if endpoint_type == "chat":
+        assert summary["usage_completion_tokens"]["sum"] == tokens
+    else:
+        assert abs(summary["total_osl"]["avg"] - tokens) <= num_requests, (
+            summary["total_osl"],
+            tokens,
+        )
+    assert 0 < tokens <= 8 * num_requests
+
+
 def test_penalties_and_logit_bias_count_the_output_as_openai_does(client, target_dir, hf_target):
     """presence_penalty and frequency_penalty over the output only, logit_bias by token id:
     transformers' greedy text with the same processing, speculating (adaptive) or not."""
