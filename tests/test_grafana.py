@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
 from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
@@ -30,6 +31,8 @@ from specdec.processes import end_with_parent, free_port, terminate
 
 GENERATOR = PROJECT_ROOT / "deploy" / "grafana" / "dashboard.py"
 COMMITTED = PROJECT_ROOT / "deploy" / "grafana" / "speculative-decoding.json"
+PROMETHEUS_CONFIG = PROJECT_ROOT / "deploy" / "prometheus" / "prometheus.yml"
+CONFIG_MAP = PROJECT_ROOT / "deploy" / "kubernetes" / "base" / "grafana-dashboard.yaml"
 PANEL_TYPES = {"row", "timeseries"}
 SCRAPE_S = 1
 RATE_WINDOW = "1m"  # $__rate_interval as Grafana would set it for 1 s scrapes over a short run
@@ -53,15 +56,27 @@ def panels(board: dict) -> list[dict]:
     return [p for p in board["panels"] if p["type"] != "row"]
 
 
-def queries(board: dict) -> list[tuple[str, str]]:
-    """(panel title, expression) of every target."""
-    return [(p["title"], t["expr"]) for p in panels(board) for t in p["targets"]]
+def queries(board: dict) -> list[tuple[str, str, str]]:
+    """(panel title, legend, expression) of every target."""
+    return [(p["title"], t["legendFormat"], t["expr"]) for p in panels(board) for t in p["targets"]]
 
 
-def test_the_committed_json_is_what_the_generator_makes():
+def test_the_committed_files_are_what_the_generator_makes(tmp_path):
     generator = load_generator()
-    assert COMMITTED.read_text() == generator.render(), "run deploy/grafana/dashboard.py"
+    files = generator.render()
+    assert set(files) == {COMMITTED, CONFIG_MAP}
+    for path, text in files.items():
+        assert path.read_text() == text, f"{path}: run deploy/grafana/dashboard.py"
     assert generator.main(["--check"]) == 0
+    # The ConfigMap carries the dashboard's JSON exactly, labelled for Grafana's sidecar.
+    config_map = yaml.safe_load(CONFIG_MAP.read_text())
+    assert config_map["kind"] == "ConfigMap"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["data"] == {COMMITTED.name: COMMITTED.read_text()}
+    # --check sees a stale file.
+    generator.OUTPUT = tmp_path / COMMITTED.name
+    generator.OUTPUT.write_text("{}\n")
+    assert generator.main(["--check"]) == 1
 
 
 def read_back(board: dict) -> dict:
@@ -126,7 +141,7 @@ AGGREGATED = re.compile(
 def test_every_query_sums_over_replicas(board):
     """One line per legend whatever the replicas: every metric a query reads sits inside an
     aggregation (a sum of its rate, or the sum or mean of a gauge)."""
-    for title, expr in queries(board):
+    for title, _, expr in queries(board):
         assert AGGREGATED.search(expr), (title, expr)
         assert "specdec_" not in AGGREGATED.sub("", expr), (title, expr)
     assert "specdec_" in AGGREGATED.sub("", "rate(specdec_x_total[1m])")  # caught bare
@@ -149,18 +164,20 @@ def prometheus_query(base: str, expr: str) -> list[dict]:
 
 @pytest.fixture
 def prometheus(server, tmp_path):
-    """Prometheus scraping the test server's metrics port every second; yields its URL."""
+    """Prometheus with the compose file's configuration, scraping the test server's metrics
+    port every second; yields its URL."""
     binary = prometheus_binary()
     if binary is None:
         pytest.skip("prometheus is not installed: make prometheus (apt-get install prometheus)")
     port = free_port()
+    # docker-compose.yml's configuration, its triton job pointed at the test server.
+    settings = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    settings["global"] |= {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"}
+    (job,) = [j for j in settings["scrape_configs"] if j["job_name"] == "triton"]
+    job["static_configs"] = [{"targets": [server.metrics_url.split("/")[2]]}]
+    settings["scrape_configs"] = [job]
     config = tmp_path / "prometheus.yml"
-    target = server.metrics_url.split("//")[1].split("/")[0]
-    config.write_text(
-        f"global: {{scrape_interval: {SCRAPE_S}s, evaluation_interval: {SCRAPE_S}s}}\n"
-        f"scrape_configs:\n  - job_name: triton\n    static_configs:\n"
-        f"      - targets: ['{target}']\n"
-    )
+    config.write_text(yaml.safe_dump(settings))
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         [
@@ -191,15 +208,17 @@ def prometheus(server, tmp_path):
         log.close()
 
 
-# Panels whose lines must show a value after the load (the others may be 0 or NaN: no
-# prefix reuse, no queue): tokens/s, the latency quantiles, tokens per pass.
+# Lines that must show a value after the load (the others may be 0 or NaN: no prefix
+# reuse, no queue, the adaptive k of fixed-k requests): (panel, legend).
 MUST_MOVE = {
-    "Output tokens / s",
-    "Time to first token",
-    "Inter-token latency",
-    "End-to-end latency",
-    "Tokens per target pass",
-    "Loop time per iteration by part",
+    ("Output tokens / s", "tokens/s"),
+    ("Requests / s by outcome", "{{outcome}}"),
+    ("Time to first token", "p50"),
+    ("Inter-token latency", "mean"),
+    ("End-to-end latency", "p99"),
+    ("Tokens per target pass", "tokens / pass"),
+    ("Loop time per iteration by part", "{{part}}"),
+    ("Tokens per sequence", "output p50"),
 }
 
 
@@ -208,11 +227,12 @@ def test_every_panel_query_returns_series_from_a_real_prometheus(server, prometh
     wait_until_idle(server.metrics_url)
     prompts = ["Count to ten:", "Name four fruits.", "Say hello in French.", "List two colours."]
     with ThreadPoolExecutor(2) as pool:
-        list(
+        results = list(
             pool.map(
                 lambda p: generate(p, url=server.url, max_tokens=12, num_draft_tokens=3), prompts
             )
         )
+    assert all(r.error is None and r.text for r in results)
     emitted = scrape(server.metrics_url)["specdec_emitted_tokens_total"]
     # Prometheus has scraped the load's end (a sample at the final total), and one more.
     deadline = time.monotonic() + 60
@@ -223,9 +243,11 @@ def test_every_panel_query_returns_series_from_a_real_prometheus(server, prometh
         assert time.monotonic() < deadline, "Prometheus did not scrape the server"
         time.sleep(SCRAPE_S)
     time.sleep(2 * SCRAPE_S)
-    for title, expr in queries(board):
+    lines = queries(board)
+    assert MUST_MOVE <= {(title, legend) for title, legend, _ in lines}
+    for title, legend, expr in lines:
         result = prometheus_query(prometheus, expr.replace("$__rate_interval", RATE_WINDOW))
         assert result, f"{title}: no series for {expr}"
         values = [float(series["value"][1]) for series in result]
-        if title in MUST_MOVE:
+        if (title, legend) in MUST_MOVE:
             assert any(math.isfinite(v) and v > 0 for v in values), (title, expr, values)
