@@ -164,3 +164,17 @@ def test_a_first_commit_of_several_tokens_observes_zeros_after_the_first():
     assert taken[INTER_TOKEN_LATENCY].count == 2 and taken[INTER_TOKEN_LATENCY].sum == 0.0
     assert taken[INTER_TOKEN_LATENCY].buckets[0] == 2  # le 0.001
     assert taken[OUTPUT_TOKENS].count == 0  # not finished
+
+
+@pytest.mark.parametrize("reason", ["cancelled", "error", "shutdown", None])
+def test_only_a_normal_end_observes_latency_and_tokens(reason):
+    scheduler = make_scheduler(num_slots=1, k=0, clock=itertools.count(0, 1_000_000).__next__)
+    sequence = scheduler.submit(GenerationRequest(None, prompt_ids=[1, 2], max_tokens=20))
+    histograms = SequenceHistograms()
+    sequence.finish_reason = reason
+    histograms.finished(sequence, 10**9)
+    sequence.finish_reason = "stop"
+    histograms.finished(sequence, 10**9)
+    taken = histograms.take()
+    for name in (END_TO_END_LATENCY, INPUT_TOKENS, OUTPUT_TOKENS):
+        assert taken[name].count == 1, name

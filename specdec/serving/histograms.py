@@ -31,6 +31,7 @@ from specdec.serving.metric_names import (
     HISTOGRAMS,
     INPUT_TOKENS,
     INTER_TOKEN_LATENCY,
+    NORMAL_ENDS,
     OUTPUT_TOKENS,
     QUEUE_TIME,
     TIME_TO_FIRST_TOKEN,
@@ -109,7 +110,10 @@ class SequenceHistograms:
             itl.observe(gap / num_emitted, num_emitted)
 
     def finished(self, sequence: SequenceState, now_ns: int) -> None:
-        """`sequence` finished normally; its last response is built at `now_ns`."""
+        """`sequence` finished; its last response is built at `now_ns`. Only a normal end
+        (end, length, stop) is observed."""
+        if sequence.finish_reason not in NORMAL_ENDS:
+            return
         self.counts[END_TO_END_LATENCY].observe((now_ns - sequence.times.arrival_ns) * NS)
         self.counts[INPUT_TOKENS].observe(len(sequence.request.prompt_ids))
         self.counts[OUTPUT_TOKENS].observe(sequence.num_output_tokens)
