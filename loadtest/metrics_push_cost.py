@@ -55,7 +55,7 @@ def fake_row(rng: random.Random, now_ns: int):
     arrival = now_ns - rng.randint(10, 2000) * 1_000_000
     times = SequenceTimes(arrival_ns=arrival, first_scheduled_ns=arrival + 2_000_000)
     request = SimpleNamespace(prompt_ids=[0] * rng.randint(8, 1500))
-    return SimpleNamespace(times=times, num_output_tokens=0, request=request)
+    return SimpleNamespace(times=times, num_output_tokens=0, request=request, finish_reason=None)
 
 
 def measure(rows: int, iterations: int) -> dict:
@@ -83,6 +83,7 @@ def measure(rows: int, iterations: int) -> dict:
             metrics.tokens_committed(row, n)
             emitted.append(n)
             if rng.random() < 1 / 64:  # it ends; a new sequence takes its slot
+                row.finish_reason = "length"
                 metrics.sequence_finished(row, now)
                 batch[i] = fake_row(rng, now)
         observed = clock()
