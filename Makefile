@@ -20,7 +20,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-controls bench-structured bench-draft bench-overhead loadtest soak clean
+.PHONY: venv models haproxy prometheus dashboard serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-controls bench-structured bench-draft bench-overhead loadtest soak clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -48,6 +48,18 @@ haproxy:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; } || \
 	  echo "haproxy is not installed (apt-get install haproxy): the gateway tests will skip"
 
+# Prometheus, which tests/test_grafana.py runs to check every dashboard query against a live
+# server, from Debian's packages likewise (the package's service is not started).
+prometheus:
+	@command -v prometheus >/dev/null || [ -x /usr/bin/prometheus ] || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
+	  echo "prometheus is not installed (apt-get install prometheus): the dashboard test will skip"
+
+# The Grafana dashboard (deploy/grafana/speculative-decoding.json) from its generator.
+dashboard: venv
+	$(PY) deploy/grafana/dashboard.py
+
 serve: models $(if $(filter-out 1,$(REPLICAS)),haproxy)
 ifeq ($(REPLICAS),1)
 	$(PY) -m specdec.launch --openai
@@ -68,7 +80,7 @@ engines: models
 		$${DRAFT_CHECKPOINT:-$(MODELS)/smollm2-135m-draft} \
 		--num-slots $${NUM_SLOTS:-64} --max-context $${MAX_CONTEXT:-2048} --dtype $(DTYPE); fi
 
-test: models haproxy
+test: models haproxy prometheus
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -ra --durations=25

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,11 +66,12 @@ def test_services_and_profiles(compose):
     services = compose["services"]
     assert set(services) == {"build", "triton", "openai", "locust", "sdk", "gateway"} | {
         f"triton-gpu{i}" for i in (1, 2, 3)
-    }
+    } | {"prometheus", "grafana"}
     for name in ("build", "triton", "openai"):  # `docker compose up` starts them
         assert "profiles" not in services[name], name
     assert services["locust"]["profiles"] == ["loadtest"]
     assert services["sdk"]["profiles"] == ["sdk"]
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
     assert services["triton"]["depends_on"]["build"]["condition"] == (
         "service_completed_successfully"
     )
@@ -429,3 +431,68 @@ def test_the_gateway_refuses_a_bad_setting_before_haproxy_runs(
     assert done.stderr.startswith(f"gateway: {variable}: ") and done.stderr.count("\n") == 1
     assert "secret" not in done.stderr + done.stdout
     assert not (tmp_path / "run").exists()
+
+
+# -- the monitoring profile: Prometheus and Grafana -----------------------------------------
+def mounted(service: dict, container_path: str) -> Path:
+    """The repository file a service sees at `container_path` (a bind mount or below one)."""
+    path = host_path(service, container_path)
+    assert path is not None and path.exists(), container_path
+    return path
+
+
+def test_prometheus_scrapes_every_triton_service_and_the_gateway(compose):
+    services = compose["services"]
+    prometheus = services["prometheus"]
+    flags = dict(arg.split("=", 1) for arg in prometheus["command"])
+    config_path = mounted(prometheus, flags["--config.file"])
+    config = yaml.safe_load(config_path.read_text())
+    targets = {
+        target
+        for job in config["scrape_configs"]
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
+    tritons = {
+        name
+        for name, service in services.items()
+        if service.get("image") == "specdec-triton"
+        and "docker/triton_entrypoint.py" in service.get("command", [])
+    }
+    assert tritons == {"triton", "triton-gpu1", "triton-gpu2", "triton-gpu3"}
+    # Each Triton service's metrics port inside the network (8002, whatever the host port).
+    assert {f"{name}:8002" for name in tritons} | {"gateway:8404"} == targets
+    for name in tritons:
+        assert any(expand(p).endswith(":8002") for p in services[name]["ports"]), name
+    assert all(expand(p).startswith("127.0.0.1:") for p in prometheus["ports"])
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed: make prometheus (Debian's prometheus has it)")
+    subprocess.run([promtool, "check", "config", str(config_path)], check=True)
+
+
+def test_grafana_provisions_the_prometheus_service_and_the_dashboard(compose):
+    services = compose["services"]
+    grafana, prometheus = services["grafana"], services["prometheus"]
+    assert grafana["depends_on"] == ["prometheus"]
+    provisioning = mounted(grafana, "/etc/grafana/provisioning")
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())[
+        "datasources"
+    ]
+    port = expand(prometheus["ports"][0]).rsplit(":", 1)[1]
+    assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
+    assert datasource["url"] == f"http://prometheus:{port}"
+    # Grafana's $__rate_interval counts the scrape interval it is told.
+    scrape = yaml.safe_load(mounted(prometheus, "/etc/prometheus/prometheus.yml").read_text())[
+        "global"
+    ]["scrape_interval"]
+    assert datasource["jsonData"]["timeInterval"] == scrape
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "specdec.yaml").read_text())[
+        "providers"
+    ]
+    folder = provider["options"]["path"]
+    dashboard = mounted(grafana, f"{folder}/speculative-decoding.json")
+    assert dashboard == PROJECT_ROOT / "deploy" / "grafana" / "speculative-decoding.json"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert mounted(grafana, home) == dashboard
+    assert all(expand(p).startswith("127.0.0.1:") for p in grafana["ports"])

@@ -13,6 +13,7 @@ same objects."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shlex
 import shutil
@@ -468,6 +469,25 @@ def test_pods_are_scraped_and_disruptions_take_one_replica_at_a_time(rendered):
         budget = find(documents, "PodDisruptionBudget", name)
         assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert find(documents, "PodDisruptionBudget", "specdec-triton")["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grafana_s_sidecar_finds_the_dashboard_beside_the_pods_it_shows(rendered, variant):
+    """One ConfigMap labelled grafana_dashboard: "1" (the sidecar's default label), in the
+    pods' namespace, carrying deploy/grafana/speculative-decoding.json as it is committed
+    (tests/test_grafana.py holds that file to its generator)."""
+    documents = rendered[variant]
+    (config_map,) = [
+        d
+        for d in documents
+        if d["kind"] == "ConfigMap" and d["metadata"].get("labels", {}).get("grafana_dashboard")
+    ]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    namespace = find(documents, "Deployment", "specdec-triton")["metadata"]["namespace"]
+    assert config_map["metadata"]["namespace"] == namespace
+    dashboard = PROJECT_ROOT / "deploy" / "grafana" / "speculative-decoding.json"
+    assert config_map["data"] == {dashboard.name: dashboard.read_text()}
+    assert json.loads(dashboard.read_text())["uid"]
 
 
 def test_no_remote_resources(rendered):

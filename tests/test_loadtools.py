@@ -333,3 +333,30 @@ def test_profile_modes_splits_the_loop_time_of_each_mode(server, tmp_path: Path)
         # the last hand-over, counted after the client had its answer).
         loop_ms = sum(row[f"{p}_ms_per_iteration"] for p in LOOP_PARTS) * row["iterations"]
         assert loop_ms / 1000 <= row["output_tokens"] / row["tokens_per_s"] + 0.05
+
+
+def test_metrics_push_cost_times_the_loop_s_metrics_on_a_server_of_its_own(tmp_path: Path):
+    """loadtest/metrics_push_cost.py in miniature: a report per row count, whose histogram
+    push makes at least a call per histogram series it changed (bucket, sum, count)."""
+    out = tmp_path / "push.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(PROJECT_ROOT / "loadtest" / "metrics_push_cost.py"),
+            "--rows",
+            "1,8",
+            "--iterations",
+            "20",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+    )
+    reports = json.loads(out.read_text())
+    assert [r["rows"] for r in reports] == [1, 8]
+    for report in reports:
+        assert report["iterations"] == 20
+        assert report["histogram_calls_per_flush"] >= 3  # the inter-token bucket, sum, count
+        for part in ("observe", "stage", "flush", "counters"):
+            assert 0 < report[part]["median_us"] <= report[part]["p90_us"], (report, part)

@@ -13,8 +13,11 @@ from specdec.paths import PROJECT_ROOT as ROOT
 from specdec.serving.metric_names import (
     FAMILIES,
     FAMILY_BY_NAME,
+    FAMILY_BY_SERIES,
+    HISTOGRAMS,
     REQUEST_OUTCOMES,
     SEQUENCE_OUTCOMES,
+    le_label,
     markdown_table,
     request_outcome,
 )
@@ -52,14 +55,31 @@ def test_the_table_declares_each_family_once_in_prometheus_form():
     assert len(names) == len(set(names)) == len(FAMILY_BY_NAME)
     for family in FAMILIES:
         assert re.fullmatch(r"specdec_[a-z0-9_]+", family.name), family.name
-        assert family.kind in ("counter", "gauge"), family
-        # Prometheus naming: counters end in _total, gauges do not.
+        assert family.kind in ("counter", "gauge", "histogram"), family
+        # Prometheus naming: counters end in _total, gauges and histograms do not; a
+        # histogram's name ends in its unit, and /metrics adds _bucket, _sum and _count.
         assert family.name.endswith("_total") == (family.kind == "counter"), family.name
+        if family.kind == "histogram":
+            assert family.name.endswith(("_seconds", "_tokens")), family.name
+            assert family.buckets and "le" not in family.labels, family.name
+        else:
+            assert not family.buckets, family.name
         assert family.help and "|" not in family.help and "\n" not in family.help, family.name
         assert "model" not in family.labels  # every metric carries it already
     # A sequence's outcome is also its request's when the request ends with it.
     assert set(SEQUENCE_OUTCOMES) < set(REQUEST_OUTCOMES)
     assert {"invalid", "rejected"} == set(REQUEST_OUTCOMES) - set(SEQUENCE_OUTCOMES)
+    # No series of one family is named like another family or its series.
+    assert len(FAMILY_BY_SERIES) == sum(len(f.series) for f in FAMILIES)
+
+
+def test_histograms_export_three_series_and_their_le_labels_read_back():
+    for family in HISTOGRAMS:
+        assert family.series == tuple(family.name + s for s in ("_bucket", "_sum", "_count"))
+        for bound in family.buckets:
+            assert float(le_label(bound)) == bound, (family.name, bound)
+    assert le_label(float("inf")) == "+Inf" and le_label(0.0025) == "0.0025"
+    assert le_label(1.0) == "1" and le_label(16384) == "16384"
 
 
 def documented_rows(section: str) -> list[str]:
@@ -102,10 +122,11 @@ def adapter_metric_names() -> set[str]:
 
 
 def named_metrics() -> dict[str, set[str]]:
-    """Every specdec_ metric name the docs, deploy/ and the code's string literals use,
-    with where."""
+    """Every specdec_ metric name the docs, deploy/ (its dashboards too) and the code's string
+    literals use, with where."""
     found: dict[str, set[str]] = {}
-    prose = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "deploy").rglob("*.yaml")]
+    prose = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    prose += [*(ROOT / "deploy").rglob("*.yaml"), *(ROOT / "deploy").rglob("*.json")]
     for path in prose:
         for name in re.findall(r"\bspecdec_[a-z0-9_]+", path.read_text()):
             found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
@@ -122,6 +143,8 @@ def test_docs_deploy_and_readers_name_only_declared_metrics():
     unknown = {
         name: sorted(where)
         for name, where in found.items()
-        if name not in FAMILY_BY_NAME and name not in adapter_metric_names()
+        if name not in FAMILY_BY_NAME
+        and name not in FAMILY_BY_SERIES
+        and name not in adapter_metric_names()
     }
     assert not unknown, unknown

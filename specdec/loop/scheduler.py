@@ -376,9 +376,9 @@ class SpeculativeScheduler:
             if sequence.finish_reason:
                 break
         if sequence.num_output_tokens > num_before:
-            now = self.admission.clock()
-            sequence.times.first_token_ns = sequence.times.first_token_ns or now
-            sequence.times.last_token_ns = now
+            now, times = self.admission.clock(), sequence.times
+            times.first_token_ns = times.first_token_ns or now
+            times.previous_token_ns, times.last_token_ns = times.last_token_ns, now
         sequence.committed()
         if sequence.finished:
             self.admission.release(sequence)

@@ -39,6 +39,7 @@ class SequenceTimes:
     first_scheduled_ns: int = 0  # got its slot
     first_token_ns: int = 0  # its first output token was committed
     last_token_ns: int = 0  # its latest output token was committed
+    previous_token_ns: int = 0  # the commit before that one (the inter-token histogram's gap)
 
 
 @dataclass(eq=False)  # one sequence is equal only to itself

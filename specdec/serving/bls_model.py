@@ -354,6 +354,7 @@ class TritonPythonModel:
         """Gives the outbox the loop's metric updates and responses so far (loop thread,
         without self.lock: the outbox may make it wait for a free place)."""
         self.metrics.record_outbox_seconds(self.outbox.busy_seconds)
+        self.metrics.stage_histograms()
         work, self.work = self.work, []
         self.outbox.submit([self.metrics.flush, *work])
 
@@ -395,8 +396,9 @@ class TritonPythonModel:
                 if result.stats is not None:
                     self.metrics.record_iteration(result.stats)
                 self._record_state(result.snapshot)
+                now_ns = time.time_ns()  # the sequences' clock (SequenceTimes)
                 for update in result.updates:
-                    self._respond(update)
+                    self._respond(update, now_ns)
             # This iteration's times go out with its responses: recorded after the hand-over,
             # a long prefill iteration's seconds reached the counters only with the next
             # iteration's, after its streams' first tokens (the bench then counted them in
@@ -484,7 +486,9 @@ class TritonPythonModel:
             raise ValueError("guided decoding is not available on this server")
         self.engines.grammars.compile(guide.pair)
 
-    def _respond(self, update: Update) -> None:
+    def _respond(self, update: Update, now_ns: int) -> None:
+        """One sequence's update: its response, if one is due, and its metrics (`now_ns`:
+        when this iteration's responses are built)."""
         sequence = update.sequence
         open_request = self.open_requests.get(sequence.id)
         if open_request is None:
@@ -492,6 +496,7 @@ class TritonPythonModel:
         if sequence.error:  # the loop ended it (specdec/loop/sequence.py: no_token_error)
             self._end(sequence, "error", sequence.error, pb_utils.TritonError.INVALID_ARG)
             return
+        self.metrics.tokens_committed(sequence, update.num_emitted)
         text: str | None = update.text
         request = sequence.request
         if request.stream and request.stream_interval > 1:
@@ -518,6 +523,7 @@ class TritonPythonModel:
             open_request.num_open -= 1
             assert sequence.finish_reason is not None  # update.finished
             self.metrics.sequences_ended(sequence.finish_reason)
+            self.metrics.sequence_finished(sequence, now_ns)
             if open_request.num_open == 0:
                 open_request.ended = True
                 flags = FINAL

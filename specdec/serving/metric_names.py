@@ -43,6 +43,19 @@ PASSES_BY_TOKENS = "specdec_target_passes_by_tokens_total"
 # 1 once the start-up cost measurement is over (done, turned off or given up), 0 before:
 # until then requests wait (specdec/loop/calibration.py).
 CALIBRATED = "specdec_calibrated"
+# Latency and size histograms, one observation per sequence (per output token for the
+# inter-token latency): specdec/serving/histograms.py keeps their bucket counts in plain Python
+# and the BLS pushes the cumulative series once per iteration as counters
+# (<name>_bucket{le=...}, <name>_sum, <name>_count), which PromQL's histogram_quantile reads
+# as a histogram whatever their TYPE line says. Their buckets span a GPU's pace (ms per token)
+# and a 2-core CPU's under load (seconds); docs/operations.md, Latency histograms.
+TIME_TO_FIRST_TOKEN = "specdec_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "specdec_inter_token_latency_seconds"
+END_TO_END_LATENCY = "specdec_end_to_end_latency_seconds"
+QUEUE_TIME = "specdec_queue_time_seconds"
+INPUT_TOKENS = "specdec_sequence_input_tokens"
+OUTPUT_TOKENS = "specdec_sequence_output_tokens"
+HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")  # what a histogram exports, by suffix
 
 
 @dataclass(frozen=True)
@@ -50,13 +63,39 @@ class Family:
     """One metric family: its HELP text is also its meaning in docs/operations.md."""
 
     name: str
-    kind: str  # "counter" or "gauge"
+    kind: str  # "counter", "gauge" or "histogram"
     help: str
-    labels: tuple[str, ...] = ()  # label names besides model
+    labels: tuple[str, ...] = ()  # label names besides model (a histogram's le aside)
+    buckets: tuple[float, ...] = ()  # a histogram's upper bounds, increasing (+Inf implied)
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """The names it exports: a histogram's three series, another family's own name."""
+        if self.kind == "histogram":
+            return tuple(self.name + suffix for suffix in HISTOGRAM_SERIES)
+        return (self.name,)
+
+
+def le_label(bound: float) -> str:
+    """A bucket's le label as Prometheus writes it: 0.005, 1, 2.5, +Inf."""
+    return "+Inf" if bound == float("inf") else f"{bound:g}"
 
 
 def _listed(values: Iterable[str]) -> str:
     return ", ".join(values)
+
+
+def _bucket_list(buckets: tuple[float, ...]) -> str:
+    return ", ".join(le_label(bound) for bound in buckets)
+
+
+SECONDS_HELP = "; buckets (le, seconds): "
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INPUT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+OUTPUT_TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 FAMILIES = (
@@ -192,8 +231,62 @@ FAMILIES = (
         "counter",
         "Requests' texts evicted from the suffix store",
     ),
+    Family(
+        TIME_TO_FIRST_TOKEN,
+        "histogram",
+        "Seconds from a sequence's arrival in the BLS to its first output token, committed "
+        "(first_token_time_ns - arrival_time_ns; queue and prefill included), one observation "
+        "per sequence that emitted a token" + SECONDS_HELP + _bucket_list(TTFT_BUCKETS),
+        buckets=TTFT_BUCKETS,
+    ),
+    Family(
+        INTER_TOKEN_LATENCY,
+        "histogram",
+        "Seconds between a sequence's output tokens, one observation per token after its "
+        "first: the n tokens one iteration commits share the time since the sequence's "
+        "previous commit (n observations of gap / n; those committed with the first token, 0), "
+        "so a sequence's observations sum to last_token_time_ns - first_token_time_ns; "
+        "stream_interval changes what clients receive, not this"
+        + SECONDS_HELP
+        + _bucket_list(ITL_BUCKETS),
+        buckets=ITL_BUCKETS,
+    ),
+    Family(
+        END_TO_END_LATENCY,
+        "histogram",
+        "Seconds from a sequence's arrival to its last response (built at the end of the "
+        "iteration that finished it), for sequences that finished "
+        f"({_listed(NORMAL_ENDS)})" + SECONDS_HELP + _bucket_list(E2E_BUCKETS),
+        buckets=E2E_BUCKETS,
+    ),
+    Family(
+        QUEUE_TIME,
+        "histogram",
+        "Seconds a sequence waited for its KV slot (first_scheduled_time_ns - "
+        "arrival_time_ns), observed with its first output token"
+        + SECONDS_HELP
+        + _bucket_list(QUEUE_BUCKETS),
+        buckets=QUEUE_BUCKETS,
+    ),
+    Family(
+        INPUT_TOKENS,
+        "histogram",
+        f"Prompt tokens per sequence that finished ({_listed(NORMAL_ENDS)}); buckets (le, "
+        "tokens): " + _bucket_list(INPUT_TOKEN_BUCKETS),
+        buckets=INPUT_TOKEN_BUCKETS,
+    ),
+    Family(
+        OUTPUT_TOKENS,
+        "histogram",
+        f"Output tokens per sequence that finished ({_listed(NORMAL_ENDS)}); buckets (le, "
+        "tokens): " + _bucket_list(OUTPUT_TOKEN_BUCKETS),
+        buckets=OUTPUT_TOKEN_BUCKETS,
+    ),
 )
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
+HISTOGRAMS = tuple(family for family in FAMILIES if family.kind == "histogram")
+# Every series name /metrics shows -> its family (a histogram's _bucket, _sum, _count).
+FAMILY_BY_SERIES = {series: family for family in FAMILIES for series in family.series}
 
 
 def request_outcome(sequence_reasons: Iterable[str | None]) -> str:

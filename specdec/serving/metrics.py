@@ -6,19 +6,24 @@ batch of the loop's outbox (serving/outbox.py), before that iteration's response
 What one iteration records costs the same however many rows it ran: counters are summed
 before they are applied, and the tokens each row emitted are counted by value (a pb_utils
 histogram takes one observation per call, so there is none: one counter per value instead,
-specdec_target_passes_by_tokens_total{tokens=...}).
+specdec_target_passes_by_tokens_total{tokens=...}). The latency histograms likewise: their
+bucket counts gather in plain Python (serving/histograms.py) and go out once per iteration as
+the counters of their cumulative series (<name>_bucket{le=...}, <name>_sum, <name>_count).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
 from specdec.loop.prefix_cache import PrefixCounts
 from specdec.loop.proposers import REGISTRY
 from specdec.loop.scheduler import IterationStats
+from specdec.loop.sequence import SequenceState
 from specdec.loop.suffix_store import StoreCounts
+from specdec.serving.histograms import SequenceHistograms
 from specdec.serving.metric_names import (
     CALIBRATED,
     ENGINE_CALL_KINDS,
@@ -26,6 +31,7 @@ from specdec.serving.metric_names import (
     ENGINE_RESULT_BYTES,
     FAMILIES,
     FAMILY_BY_NAME,
+    HISTOGRAMS,
     LOOP_PARTS,
     OUTBOX_SECONDS,
     PASSES_BY_TOKENS,
@@ -33,6 +39,8 @@ from specdec.serving.metric_names import (
     REQUESTS,
     SEQUENCE_OUTCOMES,
     SEQUENCES,
+    Family,
+    le_label,
 )
 from specdec.serving.outbox import PendingMetrics
 
@@ -48,11 +56,15 @@ class LoopMetrics:
     def __init__(self, model: str, max_k: int, num_slots: int) -> None:
         self.model = model
         self.pending = PendingMetrics()
-        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
-        # Every family of the table (metric_names.FAMILIES); a family must outlive its metrics.
+        # Every family of the table (metric_names.FAMILIES), a histogram's three series each
+        # a counter family; a family must outlive its metrics.
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         self.families = {
-            f.name: pb_utils.MetricFamily(name=f.name, description=f.help, kind=kinds[f.kind])
+            series: pb_utils.MetricFamily(
+                name=series, description=f.help, kind=gauge if f.kind == "gauge" else counter
+            )
             for f in FAMILIES
+            for series in f.series
         }
         metric = self._metric
         self.draft_tokens = metric("specdec_draft_tokens_total")
@@ -96,13 +108,25 @@ class LoopMetrics:
         self.suffix_evicted_tokens = metric("specdec_suffix_store_evicted_tokens_total")
         self.suffix_evictions = metric("specdec_suffix_store_evictions_total")
         self.suffix_flushed = StoreCounts()
+        # Latency and size histograms: counted here, pushed by stage_histograms().
+        self.histograms = SequenceHistograms()
+        self.histogram_series = {f.name: self._histogram_series(f) for f in HISTOGRAMS}
 
-    def _metric(self, name: str, **labels: str):
-        """The metric of a family of the table with these labels (its label names, all)."""
-        declared = FAMILY_BY_NAME[name].labels
+    def _metric(self, name: str, series: str = "", **labels: str):
+        """The metric of a family of the table with these labels (its label names, all); of
+        a histogram, one of its series (`series`: "_bucket" with an le label, "_sum",
+        "_count")."""
+        declared = FAMILY_BY_NAME[name].labels + (("le",) if series == "_bucket" else ())
         if sorted(labels) != sorted(declared):
             raise ValueError(f"{name}: labels {sorted(labels)}, declared {sorted(declared)}")
-        return self.families[name].Metric(labels={"model": self.model, **labels})
+        return self.families[name + series].Metric(labels={"model": self.model, **labels})
+
+    def _histogram_series(self, family: Family) -> tuple[list[Any], Any, Any]:
+        """A histogram's counters: its buckets in le order (+Inf last), its sum, its count."""
+        metric = self._metric
+        bounds = (*family.buckets, float("inf"))
+        buckets = [metric(family.name, "_bucket", le=le_label(bound)) for bound in bounds]
+        return buckets, metric(family.name, "_sum"), metric(family.name, "_count")
 
     def record_iteration(self, stats: IterationStats) -> None:
         """An iteration that ran (one target call): a fixed number of updates, not one per
@@ -185,6 +209,24 @@ class LoopMetrics:
     def sequences_ended(self, outcome: str, count: int = 1) -> None:
         """`count` sequences ended with `outcome` (SEQUENCE_OUTCOMES)."""
         self.pending.increment(self.sequences[outcome], count)
+
+    def tokens_committed(self, sequence: SequenceState, num_emitted: int) -> None:
+        """The iteration committed `num_emitted` output tokens of a sequence still open."""
+        self.histograms.tokens_committed(sequence, num_emitted)
+
+    def sequence_finished(self, sequence: SequenceState, now_ns: int) -> None:
+        """A sequence finished normally (end, length, stop): its last response is built."""
+        self.histograms.finished(sequence, now_ns)
+
+    def stage_histograms(self) -> None:
+        """The histograms' increments since the last call, to the pending updates (once per
+        iteration: at most a call per bucket, sum and count, whatever the rows)."""
+        for name, taken in self.histograms.take().items():
+            buckets, total, count = self.histogram_series[name]
+            for metric, increment in zip(buckets, taken.buckets, strict=True):
+                self.pending.increment(metric, increment)
+            self.pending.increment(total, taken.sum)
+            self.pending.increment(count, taken.count)
 
     def flush(self) -> None:
         """Applies the gathered updates (Triton round trips): on the outbox's thread."""

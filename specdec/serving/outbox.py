@@ -137,6 +137,12 @@ class PendingMetrics:
         with self._lock:
             self._observations.append((metric, value))
 
+    @property
+    def num_pending(self) -> int:
+        """Counters and gauges with an update gathered (at most one call each at flush)."""
+        with self._lock:
+            return len(self._increments) + len(self._values)
+
     def flush(self) -> None:
         with self._flushing:
             with self._lock:

@@ -336,6 +336,30 @@ MUTANTS = [
         "warm_up = render(workload.first_request())\n        generate(warm_up, url,",
         tests=("tests/test_agentic.py::test_no_prompt_is_sent_twice_in_a_bench_run_of_agentic",),
     ),
+    Mutant(
+        "itl-once-per-commit",
+        "the inter-token histogram observes a commit of n tokens once, not once per token",
+        "specdec/serving/histograms.py",
+        "itl.observe(gap / num_emitted, num_emitted)",
+        "itl.observe(gap / num_emitted)",
+        tests=("tests/test_histograms.py",),
+    ),
+    Mutant(
+        "ttft-from-the-slot",
+        "time to first token counted from the slot, not from the arrival",
+        "specdec/serving/histograms.py",
+        "observe((times.first_token_ns - times.arrival_ns) * NS)",
+        "observe((times.first_token_ns - times.first_scheduled_ns) * NS)",
+        tests=("tests/test_histograms.py",),
+    ),
+    Mutant(
+        "bucket-le-exclusive",
+        "a value equal to a bucket's bound counted in the bucket above (le is value <= bound)",
+        "specdec/serving/histograms.py",
+        "self._counts[bisect_left(self.bounds, value)] += times",
+        "self._counts[bisect_left(self.bounds, value) + (value in self.bounds)] += times",
+        tests=("tests/test_histograms.py",),
+    ),
 ]
 
 
