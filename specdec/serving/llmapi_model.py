@@ -218,7 +218,7 @@ class TritonPythonModel:
 
     # -- stop ---------------------------------------------------------------------------
     def _stop_by_id(self, request_id: str | None):
-        """The answer to a stop request: CANCELLED, saying how many it stopped, as
+        """The answer to a stop request: CANCELLED, saying whether it found one, as
         TensorRT-LLM answers it (found or not); INVALID_ARG without a request id."""
         if not request_id:
             message = "stop: needs the request id of the request to stop"
@@ -249,7 +249,10 @@ class TritonPythonModel:
                 if cancelled:
                     with self.lock:
                         self.running.pop(key, None)  # asked once
-                    self._stop_key(key)
+                    try:
+                        self._stop_key(key)
+                    except Exception as error:  # the BLS is gone: nothing left to stop
+                        pb_utils.Logger.log_warn(f"tensorrt_llm: stopping {key}: {error}")
 
     def finalize(self) -> None:
         """Waits a while for the requests in flight (the BLS ends them as it stops)."""
