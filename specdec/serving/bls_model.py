@@ -137,11 +137,17 @@ class OpenRequest:
     sent_log_probs: dict[int, int] = field(default_factory=dict)  # sequence id -> count sent
     hold: StreamHold = field(default_factory=StreamHold)  # streamed text not sent yet
     ended: bool = False
+    keys: list[str] = field(default_factory=list)  # request_key: a stop_request_key ends it
 
     @property
     def waiting(self) -> bool:
         """Not ended, and some sequence still waits for a slot."""
         return not self.ended and any(s.slot < 0 and not s.finished for s in self.sequences)
+
+
+def _keys(array: np.ndarray) -> list[str]:
+    """A request_key or stop_request_key: its strings."""
+    return [v.decode("utf-8", "replace") for v in np.asarray(array).reshape(-1) if v]
 
 
 def requested_outputs(request) -> set[str] | None:
@@ -194,6 +200,10 @@ class TritonPythonModel:
         # Waiting requests, in the order their turn comes to be asked about cancellation
         # (_mark_cancelled); guarded by self.lock.
         self.cancel_ring = CancelRing[OpenRequest](lambda open_request: open_request.waiting)
+        # Open requests by each of their request_keys, and those a stop_request_key named, for
+        # the loop to end at its next iteration; guarded by self.lock.
+        self.keyed: dict[str, list[OpenRequest]] = {}
+        self.stopped: list[OpenRequest] = []
         # Running requests, likewise (a request joins when first seen running).
         self.running_turns = RunningTurns[OpenRequest](lambda open_request: not open_request.ended)
         # What the loop has to send since its last hand-over to the outbox (loop thread).
@@ -284,9 +294,14 @@ class TritonPythonModel:
             if call is not None:
                 self._engine_call(call.as_numpy().reshape(-1)[0], sender)
                 continue
+            inputs = read_inputs(request, self.inputs)
+            if "stop_request_key" in inputs:
+                self._stop(_keys(inputs.pop("stop_request_key")), sender)
+                continue
+            keys = _keys(inputs.pop("request_key", np.zeros(0, np.object_)))
             try:
                 generations = parse_requests(
-                    read_inputs(request, self.inputs),
+                    inputs,
                     tokenize=self.tokenizer.encode,
                     max_context=self.config.max_context,
                     max_draft_tokens=self.config.max_draft_tokens,
@@ -307,6 +322,9 @@ class TritonPythonModel:
                     open_request.sequences = sequences
                     for sequence in sequences:
                         self.open_requests[sequence.id] = open_request
+                    open_request.keys = keys
+                    for key in keys:
+                        self.keyed.setdefault(key, []).append(open_request)
                     self.cancel_ring.add(open_request)
                     self.lock.notify()
             except InvalidInput as error:
@@ -316,6 +334,22 @@ class TritonPythonModel:
             except Exception as error:
                 self._refuse(sender, "error", f"speculative_decoding: {error}")
         return None
+
+    def _stop(self, keys: list[str], sender) -> None:
+        """Ends the open requests with any of these request_keys at the loop's next
+        iteration, as cancelled ones; answers at once: an empty response, or NOT_FOUND where
+        none is open under them."""
+        with self.lock:
+            found = [r for key in keys for r in self.keyed.get(key, ())]
+            self.stopped += found
+            self.lock.notify()
+        if not found:
+            message = f"stop_request_key: no open request has key {', '.join(keys)!r}"
+            code = pb_utils.TritonError.NOT_FOUND
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+        else:
+            response = pb_utils.InferenceResponse(output_tensors=[])
+        sender.send(response, flags=FINAL)
 
     def _engine_call(self, data: bytes, sender) -> None:
         """One engine call from outside the loop (draft_model, target_model: a call of its
@@ -439,6 +473,9 @@ class TritonPythonModel:
         every iteration); with Q waiting, each at least once every
         ceil(Q / WAITING_CANCEL_CHECKS) iterations (1,024 waiting: 64), and at every
         iteration once it is about to get a slot, so a cancelled request never starts."""
+        stopped, self.stopped = self.stopped, []
+        for stopped_request in stopped:
+            self._cancel_request(stopped_request, "request stopped")
         candidates = [self.open_requests.get(s.id) for s in snapshot.next_admitted]
         self.running_turns.see(
             open_request
@@ -453,12 +490,16 @@ class TritonPythonModel:
                 continue
             checked.add(id(open_request))
             if open_request.request.is_cancelled():
-                members = [m for m in open_request.sequences if m.id in self.open_requests]
-                for member in members:
-                    self.scheduler.cancel(member)
-                self._end_request(
-                    open_request, "cancelled", "request cancelled", pb_utils.TritonError.CANCELLED
-                )
+                self._cancel_request(open_request, "request cancelled")
+
+    def _cancel_request(self, open_request: OpenRequest, message: str) -> None:
+        """Drops every sequence of the request and ends it with CANCELLED (under self.lock)."""
+        if open_request.ended:
+            return
+        for member in open_request.sequences:
+            if member.id in self.open_requests:
+                self.scheduler.cancel(member)
+        self._end_request(open_request, "cancelled", message, pb_utils.TritonError.CANCELLED)
 
     def _end(self, sequence: SequenceState, outcome: str, message: str, code=None) -> None:
         """Ends the sequence's request with an error (once), and with it its other sequences."""
@@ -473,12 +514,20 @@ class TritonPythonModel:
         its sequences still open under `outcome` (those that finished were counted then)."""
         if open_request.ended:
             return
-        open_request.ended = True
+        self._close(open_request)
         self.metrics.request_ended(outcome)
         self.metrics.sequences_ended(outcome, open_request.num_open)
         for member in open_request.sequences:
             self.open_requests.pop(member.id, None)
         self.work.append(self._error_sender(open_request.sender, message, code))
+
+    def _close(self, open_request: OpenRequest) -> None:
+        """The request has sent or is sending its final response (under self.lock)."""
+        open_request.ended = True
+        for key in open_request.keys:
+            others = [r for r in self.keyed.pop(key, ()) if r is not open_request]
+            if others:
+                self.keyed[key] = others
 
     def _check_guide(self, guide: Guide) -> None:
         """Compiles a request's guide (cached), or raises ValueError saying why not."""
@@ -525,7 +574,7 @@ class TritonPythonModel:
             self.metrics.sequences_ended(sequence.finish_reason)
             self.metrics.sequence_finished(sequence, now_ns)
             if open_request.num_open == 0:
-                open_request.ended = True
+                self._close(open_request)
                 flags = FINAL
                 reasons = (member.finish_reason for member in open_request.sequences)
                 self.metrics.request_ended(request_outcome(reasons))

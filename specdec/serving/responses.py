@@ -19,6 +19,7 @@ postprocessing and tensorrt_llm models answer them (one response = one sequence)
 | acceptance_rate | FP32 | (1, 1) | accepted / proposed draft tokens, whole sequence so far |
 | total_accepted_draft_tokens, total_draft_tokens | INT32 | (1, 1) | |
 | num_input_tokens, num_output_tokens | INT32 | (1, 1) | ours (return_num_*_tokens) |
+| finish_reason | BYTES | (1,) | ours: why the sequence ended (end, stop, length); "" before |
 
 The four times: arrival_time_ns, first_scheduled_time_ns (got a slot), first_token_time_ns,
 last_token_time_ns. The perf outputs come with return_perf_metrics, on every response (as
@@ -61,6 +62,7 @@ OUTPUT_NAMES = (
     *PERF_OUTPUTS,
     "num_input_tokens",
     "num_output_tokens",
+    "finish_reason",
 )
 
 
@@ -119,6 +121,9 @@ def response_arrays(
         arrays["num_input_tokens"] = _scalar(len(request.prompt_ids), np.int32)
     if request.return_num_output_tokens:
         arrays["num_output_tokens"] = _scalar(sequence.num_output_tokens, np.int32)
+    if "finish_reason" in wanted:
+        reason = (sequence.finish_reason or "").encode()
+        arrays["finish_reason"] = np.array([reason], dtype=np.object_)
     return {name: array for name, array in arrays.items() if name in wanted}
 
 

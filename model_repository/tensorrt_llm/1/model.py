@@ -1,0 +1,3 @@
+from specdec.serving.llmapi_model import TritonPythonModel
+
+__all__ = ["TritonPythonModel"]
