@@ -25,14 +25,8 @@ from pathlib import Path
 from structured_answers import ANSWERS, MODEL
 
 from common import STRUCTURED, target_passes
-from specdec.engines.grammar import (
-    JSON_WHITESPACES,
-    Grammars,
-    PositionedMatchers,
-    allowed_prefix,
-    forced_tokens,
-    jump_forward_tokens,
-)
+from specdec.engines.grammar import JSON_WHITESPACES, Grammars, PositionedMatchers
+from specdec.loop.proposers.grammar import grammar_offer
 from specdec.loop.proposers.ngram import NgramIndex
 from structured import read_structured
 
@@ -41,17 +35,15 @@ RULES = ("forced", "forced+lookup", "jump", "jump+lookup")
 
 
 def proposal(rule: str, grammars: Grammars, matcher, index: NgramIndex, text: list[int]):
-    own = forced_tokens(matcher, grammars.vocab_size, K)
-    if rule.startswith("jump"):
-        for token in own:
-            matcher.accept_token(token)
-        jumped = jump_forward_tokens(grammars, matcher, K - len(own))
-        if own:
-            matcher.rollback(len(own))
-        own = own + jumped
-    if not rule.endswith("lookup"):
-        return own
-    return own + allowed_prefix(matcher, own, index.propose(text, K - len(own), then=own))
+    """The rule's proposal after `text` (the grammar proposer's offer where rule is
+    jump+lookup)."""
+    lookup = None
+    if rule.endswith("lookup"):
+
+        def lookup(own, room):
+            return index.propose(text, room, then=own)
+
+    return grammar_offer(grammars, matcher, K, lookup, jump=rule.startswith("jump"))[0]
 
 
 def passes(rule: str, grammars: Grammars, guide, prompt: list[int], answer: list[int]) -> int:

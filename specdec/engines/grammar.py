@@ -215,26 +215,22 @@ def jump_forward_tokens(grammars: Grammars, matcher, limit: int) -> list[int]:
     """Up to `limit` tokens spelling the text the grammar writes itself after the matcher's
     state (xgrammar's jump-forward string: the rest of a key, `": "`, a closing brace), as
     the tokenizer splits it and as far as the grammar takes those tokens; [] without an
-    encoder. Unlike forced_tokens these are not certain: where the vocabulary spells the text
-    more than one way, the target may choose another split."""
+    encoder. The matcher is left after them (the caller rolls back). Unlike forced_tokens
+    these are not certain: where the vocabulary spells the text more than one way, the
+    target may choose another split."""
     if grammars.encode is None or limit <= 0 or matcher.is_terminated():
         return []
     text = matcher.find_jump_forward_string()
-    return allowed_prefix(matcher, [], grammars.encode(text)[:limit]) if text else []
+    return advance(matcher, grammars.encode(text)[:limit]) if text else []
 
 
-def allowed_prefix(matcher, ahead: list[int], tokens: list[int]) -> list[int]:
-    """The longest prefix of `tokens` the grammar allows after `ahead` (tokens it allows),
-    the matcher left where it was."""
-    for token in ahead:
-        matcher.accept_token(token)
+def advance(matcher, tokens: list[int]) -> list[int]:
+    """The longest prefix of `tokens` the grammar allows, the matcher left after it."""
     kept = []
     for token in tokens:
         if matcher.is_terminated() or not matcher.accept_token(int(token)):
             break
         kept.append(int(token))
-    if len(ahead) + len(kept):
-        matcher.rollback(len(ahead) + len(kept))
     return kept
 
 

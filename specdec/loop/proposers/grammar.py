@@ -24,6 +24,7 @@ k = 0 stays plain guided decoding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from specdec.loop.proposers.base import Candidate, Offer, Proposal, Proposer
@@ -37,6 +38,29 @@ if TYPE_CHECKING:
 
 # Offers' acceptance keys: how many of their tokens are the grammar's own, up to this many.
 MAX_GRAMMAR_KEY = 4
+
+
+def grammar_offer(
+    grammars,
+    matcher,
+    limit: int,
+    lookup: Callable[[list[int], int], list[int]] | None = None,
+    jump: bool = True,
+) -> tuple[list[int], int]:
+    """Up to `limit` tokens after the matcher's state, and how many of them are the
+    grammar's own: its forced tokens, then (`jump`) the text it writes itself, then
+    `lookup(own, room)`'s guess after those, as far as the grammar allows it. The matcher is
+    walked once along the offer and left where it was."""
+    from specdec.engines.grammar import advance, forced_tokens, jump_forward_tokens
+
+    own = advance(matcher, forced_tokens(matcher, grammars.vocab_size, limit))
+    if jump:
+        own += jump_forward_tokens(grammars, matcher, limit - len(own))
+    guessed = advance(matcher, lookup(own, limit - len(own))) if lookup is not None else []
+    walked = len(own) + len(guessed)
+    if walked:
+        matcher.rollback(walked)
+    return own + guessed, len(own)
 
 
 class GrammarProposer(Proposer):
@@ -66,21 +90,15 @@ class GrammarProposer(Proposer):
         matcher = self.matchers.at(sequence.id, request.guide.pair, request.end_id, output)
         if matcher is None:
             return Offer(0)
-        from specdec.engines.grammar import allowed_prefix, forced_tokens, jump_forward_tokens
-
-        grammars = self.matchers.grammars
-        own = forced_tokens(matcher, grammars.vocab_size, candidate.max_k)
-        for token in own:
-            matcher.accept_token(token)
-        jumped = jump_forward_tokens(grammars, matcher, candidate.max_k - len(own))
-        if own:
-            matcher.rollback(len(own))
-        own += jumped
         index = self.indexes.setdefault(sequence.id, NgramIndex())
-        lookup = index.propose(sequence.token_ids, candidate.max_k - len(own), then=own)
-        proposal = own + allowed_prefix(matcher, own, lookup)
+        proposal, num_own = grammar_offer(
+            self.matchers.grammars,
+            matcher,
+            candidate.max_k,
+            lambda own, room: index.propose(sequence.token_ids, room, then=own),
+        )
         self.proposals[sequence.id] = proposal
-        return Offer(len(proposal), min(len(own), MAX_GRAMMAR_KEY) if proposal else None)
+        return Offer(len(proposal), min(num_own, MAX_GRAMMAR_KEY) if proposal else None)
 
     def propose(
         self, rows: list[SequenceState], ks: list[int], copies: list[CacheCopy]
