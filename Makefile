@@ -20,7 +20,7 @@ ENGINE ?= torch
 DTYPE ?= auto
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT ENGINE DTYPE
 
-.PHONY: venv models haproxy prometheus dashboard serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-controls bench-structured bench-draft bench-overhead loadtest soak clean
+.PHONY: venv models haproxy prometheus dashboard serve engines test test-unit mutations lint format client draft bench bench-cold bench-agentic bench-agentic-cold bench-controls bench-structured bench-draft bench-overhead loadtest soak soak-replicas clean
 .DEFAULT_GOAL := serve
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
@@ -226,6 +226,15 @@ bench-overhead: models
 # 10 minutes of bounded load on a server of its own: zero failures, memory growth < 10%.
 soak: models
 	$(PY) loadtest/soak.py --duration 600 --concurrency 8
+
+# 30 minutes of mixed load on REPLICAS=2 behind the gateway (issue 52, part 4; not part of
+# `make test`): the launcher of `make serve REPLICAS=2` on free ports, chat and grounded
+# streams, OpenAI clients that disconnect, gRPC cancellations and bad inputs, and replica1's
+# tritonserver killed halfway, which the launcher starts again. Fails on any failed request,
+# a busy KV slot on replica0 at the end, or a process that lived throughout growing by more
+# than 5% after its first 5 minutes: results/soak-replicas.json.
+soak-replicas: models haproxy
+	$(PY) loadtest/soak_replicas.py --duration 1800 --concurrency 8
 
 # Locust at 1, 4, 16, 64, 128, 256, 512 users; in each stage k = 0, adaptive and k = 0 again
 # take turns in windows (k = 0 against itself: the noise floor); Locust's tokens beside the

@@ -73,14 +73,7 @@ class Gateway:
 
     def server_states(self, backend: str = "triton_grpc") -> dict[str, str]:
         """Replica name -> HAProxy's status of it: UP, DOWN, 'UP 1/2' (rising), ..."""
-        url = f"http://127.0.0.1:{self.config.stats_port}/stats;csv"
-        text = urllib.request.urlopen(url, timeout=5).read().decode().lstrip("# ")
-        rows = csv.DictReader(io.StringIO(text))
-        return {
-            row["svname"]: row["status"]
-            for row in rows
-            if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")
-        }
+        return server_states(self.config.stats_port, backend)
 
     def wait_for_state(self, replica: str, state: str, timeout: float = 60.0) -> None:
         """Until the replica has `state` in both gRPC backends (each checks it on its own)."""
@@ -99,6 +92,20 @@ class Gateway:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def server_states(stats_port: int, backend: str = "triton_grpc") -> dict[str, str]:
+    """Replica name -> the status that the HAProxy with this stats port gives it in `backend`:
+    UP, DOWN, 'UP 1/2' (rising), ... Also for a gateway that `serve` started in another
+    process (loadtest/soak_replicas.py)."""
+    url = f"http://127.0.0.1:{stats_port}/stats;csv"
+    text = urllib.request.urlopen(url, timeout=5).read().decode().lstrip("# ")
+    rows = csv.DictReader(io.StringIO(text))
+    return {
+        row["svname"]: row["status"]
+        for row in rows
+        if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")
+    }
 
 
 def write_config(
