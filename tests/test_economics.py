@@ -350,19 +350,83 @@ def test_plan_prices_each_width_of_rows():
     assert plan == {r: 1 for r in range(8)}
 
 
-def steady(costs: Costs, rows: int, tokens: int, seconds: float) -> None:
-    """A steady iteration without a model call, `rows` rows verifying `tokens` tokens."""
-    costs.observe_iteration(StepShape(rows, tokens, 1 if tokens == rows else 2, None), seconds)
+def steady(costs: Costs, rows: int, tokens: int, seconds: float, engines: float = 0.0) -> None:
+    """A steady iteration without a model call, `rows` rows verifying `tokens` tokens, of
+    which its engine calls took `engines` seconds."""
+    shape = StepShape(rows, tokens, 1 if tokens == rows else 2, None)
+    costs.observe_iteration(shape, seconds, engines)
 
 
-def test_whole_iterations_of_one_row_do_not_price_a_larger_batchs_tokens_at_nothing():
-    """A cold chat burst: whole iterations measured at 1 row (up to 4 tokens) reached past
-    plain decoding only for 1 row; the first 16-row step then priced its lookups at nothing
-    and verified 60 tokens, none accepted. Where the measured curve ends at the batch size,
-    the target's start-up curve prices the tokens."""
+def calibrated_costs() -> Costs:
+    """The target as start-up measured it on a 2-core host, bfloat16 (2026-12-07): 16 rows at
+    1, 2 and 9 tokens each, 41.6, 55.8 and 213.8 ms; a second width 4 ms."""
+    costs = Costs()
+    for rows, tokens, seconds in (
+        (1, 1, 0.0278),
+        (16, 1, 0.0416),
+        (16, 2, 0.0558),
+        (16, 9, 0.2138),
+    ):
+        costs.target.calibrate(rows * tokens, seconds)
+    costs.width.calibrate(16, 0.004)
+    return costs
+
+
+def test_a_lookup_is_priced_at_the_current_level_not_by_iterations_measured_earlier():
+    """Chat at 16 streams (2026-12-07): whole iterations of 26 tokens were last measured
+    while the contexts were short; plain decoding's kept moving up with them. Compared
+    point by point, 9.6 lookup tokens were priced at 1.04x a plain iteration and cost 1.33x.
+    Priced by the target's shape at its current level, they cost what the shape says."""
+    costs = calibrated_costs()
+    model = Economics(8, [])
+    model.costs = costs
+    steady(costs, rows=16, tokens=26, seconds=0.070, engines=0.056)  # early: short contexts
+    for _ in range(40):  # later: every call dearer by 13 ms
+        model.observe_calls([target_call(16, 16, 0.0547)], steady=True)
+        steady(costs, rows=16, tokens=16, seconds=0.066, engines=0.0547)
+    cost = costs.verify_cost(16)
+    assert cost(16) == pytest.approx(0.066, rel=1e-3)
+    tokens = 0.0558 - 0.0416  # the shape's price of 16 more tokens
+    assert cost(26) - cost(16) == pytest.approx(tokens * 10 / 16, rel=1e-3)
+    assert cost(26) / cost(16) > 1.08
+
+
+def test_the_loops_own_work_per_token_is_learnt_from_what_the_calls_leave():
+    # Plain iterations: 11.3 ms beyond their target call; iterations with 9.6 tokens more:
+    # 14.9 ms. Each extra token costs the loop 0.375 ms besides the target's price.
+    costs = calibrated_costs()
+    for i in range(60):
+        steady(costs, rows=16, tokens=16, seconds=0.066, engines=0.0547)
+        if i % 3 == 0:
+            steady(costs, rows=16, tokens=26 if i % 2 else 25, seconds=0.088, engines=0.0731)
+    host = costs.host.estimate
+    assert host(16, 16) == pytest.approx(0.0113, rel=1e-3)
+    assert host(16, 36) == pytest.approx(0.0113 + 20 * 0.0036 / 9.6, rel=0.05)
+    assert host(12, 12) == pytest.approx(0.0113, rel=1e-3)  # the nearest batch size measured
+    cost = costs.verify_cost(16)
+    assert cost(36) == pytest.approx(costs.target.estimate(36, 16) + host(16, 36))
+
+
+def test_a_ragged_verify_does_not_raise_every_verifys_level():
+    # The width's 4 ms is priced apart (plan_tokens_by_gain); booked into the level too, a
+    # workload of ragged verifies would pay it twice, and plain decoding once for nothing.
+    costs = calibrated_costs()
+    model = Economics(8, [])
+    model.costs = costs
+    for _ in range(40):
+        call = EngineCall("target", 16, 20, 5, 5, 0.0416 + 4 * 0.00089 + 0.004, 0, num_widths=2)
+        model.observe_calls([call], steady=True)
+    assert costs.target.estimate(16, 16) == pytest.approx(0.0416, abs=1e-4)  # 0.0441 if not
+
+
+def test_before_start_up_measures_a_larger_batchs_tokens_are_not_priced_at_nothing():
+    """A cold chat burst on a server that measured nothing at start-up: whole iterations
+    measured at 1 row (up to 4 tokens) reached past plain decoding only for 1 row; the first
+    16-row step then priced its lookups at nothing and verified 60 tokens, none accepted.
+    Where the measured iterations end at the batch size, the target's curve prices them."""
     costs = Costs()
     for tokens, seconds in ((1, 0.0334), (2, 0.0360), (16, 0.0421), (32, 0.0608), (144, 0.150)):
-        costs.target.calibrate(tokens, seconds)
+        costs.target.observe(tokens, seconds)
     steady(costs, rows=1, tokens=1, seconds=0.033)
     steady(costs, rows=1, tokens=4, seconds=0.039)
     cost = costs.verify_cost(16)
@@ -371,20 +435,20 @@ def test_whole_iterations_of_one_row_do_not_price_a_larger_batchs_tokens_at_noth
     assert costs.verify_cost(1)(4) == pytest.approx(0.039)  # measured past 1 row: its own
 
 
-def test_a_batchs_lookups_are_priced_by_iterations_of_its_own_size():
+def test_before_start_up_measures_a_batchs_lookups_are_priced_by_iterations_of_its_size():
     """A 16-stream burst shrinks as its requests end: steps of 10 rows that verified 20
     tokens cost what 10 caches cost, less than 16 rows verifying 20 do. One curve by tokens
     for every batch size priced the 16-row step's lookups at the 10-row steps' cost."""
     costs = Costs()
     for tokens, seconds in ((1, 0.030), (16, 0.060), (32, 0.090), (144, 0.300)):
-        costs.target.calibrate(tokens, seconds)
+        costs.target.observe(tokens, seconds)
     steady(costs, rows=16, tokens=16, seconds=0.100)
     steady(costs, rows=16, tokens=24, seconds=0.160)
     steady(costs, rows=10, tokens=10, seconds=0.060)
     steady(costs, rows=10, tokens=20, seconds=0.070)
     assert costs.verify_cost(16)(20) == pytest.approx(0.130)  # between 16 and 24 tokens
     assert costs.verify_cost(10)(20) == pytest.approx(0.070)
-    # A size never measured has no iterations of its own: the target's start-up curve.
+    # A size never measured has no iterations of its own: the target's curve.
     assert costs.verify_cost(12)(20) == pytest.approx(costs.target.estimate(20, 12))
 
 
@@ -392,9 +456,9 @@ def test_iterations_of_a_model_call_do_not_price_a_lookup():
     # A catch-up probe (a draft call of no steps) and a drafting step cost more than the
     # tokens they verify: kept apart from the iterations without a model call.
     costs = Costs()
-    costs.observe_iteration(StepShape(4, 4, 1, None), 0.040)
-    costs.observe_iteration(StepShape(4, 4, 1, 0), 0.090)
-    costs.observe_iteration(StepShape(4, 8, 1, 1), 0.120)
+    costs.observe_iteration(StepShape(4, 4, 1, None), 0.040, 0.0)
+    costs.observe_iteration(StepShape(4, 4, 1, 0), 0.090, 0.0)
+    costs.observe_iteration(StepShape(4, 8, 1, 1), 0.120, 0.0)
     assert costs.verify_cost(4)(4) == pytest.approx(0.040)
     assert costs.measured(StepShape(4, 4, 1, 0)) == pytest.approx(0.090)
     assert costs.measured(StepShape(4, 8, 1, None)) is None
@@ -403,10 +467,10 @@ def test_iterations_of_a_model_call_do_not_price_a_lookup():
 def test_a_measurement_goes_stale_and_then_starts_afresh():
     costs = Costs()
     shape = StepShape(1, 2, 1, 1)
-    costs.observe_iteration(shape, 0.050)
+    costs.observe_iteration(shape, 0.050, 0.0)
     costs.iteration += 256
     assert costs.measured(shape) is None  # stale: no longer decides alone
-    costs.observe_iteration(shape, 0.030)
+    costs.observe_iteration(shape, 0.030, 0.0)
     assert costs.measured(shape) == pytest.approx(0.030)  # not averaged with the stale one
 
 

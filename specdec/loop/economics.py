@@ -10,7 +10,8 @@ where a row with k draft tokens emits 1 + sum_{j<=k} prod_{i<=j} alpha_i tokens 
 expectation (Leviathan et al., arXiv 2211.17192, section 3.4, with per-position rates).
 - `Costs`: the target call by tokens verified (its shape measured at start-up, its level
   while serving), what one more width of rows adds to a verify, the draft model's step by
-  rows, and whole steady iterations, which see the loop's own work too.
+  rows, the loop's own work beyond its engine calls (`HostCost`), and whole steady
+  iterations, which see the loop's own work too.
 - `AcceptanceWindow`: alpha_i = P(draft token i accepted | the ones before accepted) over a
   decaying window; one per proposer and key (prompt lookup: the match length), and for a
   proposer whose rows differ one per row as well.
@@ -256,6 +257,54 @@ class AcceptanceWindow:
 # -- costs -----------------------------------------------------------------------------------
 
 
+class HostCost:
+    """The loop's own seconds in a steady iteration beyond its engine calls (planning,
+    committing, responses, the glue between steps), by batch size: a level where every row
+    verifies one token, and what each token verified beyond that adds (a ratio of running
+    averages: one iteration's few extra tokens are a noisy sample of it).
+
+    Both are measured as an iteration's seconds less its own engine calls' seconds, so they
+    do not go stale while contexts grow: what grows with a context is the engine calls'
+    cost, which the target's curve prices at its current level."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}  # by rows
+        self.extra_seconds: dict[int, float] = {}  # beyond plain, averaged, by rows
+        self.extra_tokens: dict[int, float] = {}  # beyond one per row, averaged, by rows
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        plain = self.plain.get(rows)
+        if tokens <= rows:
+            self.plain[rows] = seconds if plain is None else plain + EMA_WEIGHT * (seconds - plain)
+        elif plain is not None:
+            for averages, value in (
+                (self.extra_seconds, seconds - plain),
+                (self.extra_tokens, float(tokens - rows)),
+            ):
+                previous = averages.get(rows)
+                averages[rows] = (
+                    value if previous is None else previous + EMA_WEIGHT * (value - previous)
+                )
+
+    def estimate(self, rows: int, tokens: int) -> float:
+        """Seconds; 0 where nothing was measured near this many rows."""
+        plain = _nearest(self.plain, rows) or 0.0
+        extra = tokens - rows
+        if extra <= 0 or rows not in self.extra_tokens:
+            return plain
+        per_token = max(0.0, self.extra_seconds[rows] / self.extra_tokens[rows])
+        return plain + per_token * extra
+
+
+def _nearest(values: dict[int, float], key: int) -> float | None:
+    """The value at `key`, or else at the nearest key measured (None: none is)."""
+    if key in values:
+        return values[key]
+    if not values:
+        return None
+    return values[min(values, key=lambda k: (abs(k - key), k))]
+
+
 @dataclass(frozen=True)
 class StepShape:
     """A steady step (no prefill) as the cost model keys it."""
@@ -276,6 +325,7 @@ class Costs:
     def __init__(self) -> None:
         self.target = CostCurve()  # the target call's seconds by tokens verified
         self.width = CostCurve()  # a verify's extra seconds per width of rows, by rows
+        self.host = HostCost()  # the loop's own work in an iteration without a model call
         self.draft_step = CostCurve()  # the draft model's seconds per step, by rows
         self.iterations: dict[tuple[int, int | None], CostCurve] = {}
         self.iteration = 0  # steps ended so far
@@ -293,8 +343,11 @@ class Costs:
         """What a verify's widths beyond the first add."""
         return (self.width.estimate(batch_size) or 0.0) * max(0, num_widths - 1)
 
-    def observe_iteration(self, shape: StepShape, seconds: float) -> None:
-        """A whole steady iteration, from its start to the next one's."""
+    def observe_iteration(self, shape: StepShape, seconds: float, engine_seconds: float) -> None:
+        """A whole steady iteration, from its start to the next one's, and what its engine
+        calls took of that."""
+        if shape.model_steps is None:
+            self.host.observe(shape.batch_size, shape.num_tokens, seconds - engine_seconds)
         key = (shape.batch_size, shape.model_steps)
         curve = self.iterations.setdefault(key, CostCurve())
         seconds -= self.widths(shape.batch_size, shape.num_widths)
@@ -317,11 +370,32 @@ class Costs:
 
     def verify_cost(self, batch_size: int) -> Callable[[int], float | None]:
         """Seconds of an iteration without a model call, by tokens verified (widths apart):
-        whole iterations of this batch size as measured where they reach past plain
-        decoding, or else the target call's curve (start-up's shape) where that does.
-        Without either, extra tokens are priced at nothing, so that one verify is tried and
-        measured (extrapolating from plain decoding alone would price each token as a whole
-        row, and speculation would never start)."""
+        the target call as its start-up shape and its current level price it, plus the
+        loop's own work (`HostCost`).
+
+        Whole iterations as measured would price it alone only if they were measured at the
+        same moment: a point of many tokens is reached rarely, and its average was taken
+        when the contexts, and so every call, were shorter, while plain decoding's point
+        moves every iteration. Compared so, extra tokens looked almost free: at 16 chat
+        streams, bfloat16, a lookup's 9.6 tokens were priced at 1.04x plain decoding's
+        iteration and cost 1.33x (docs/benchmarks.md, "What a lookup costs at 16 rows and
+        more")."""
+        if self.target.calibrated:
+            target, host = self.target.estimate, self.host.estimate
+
+            def cost(num_tokens: int) -> float | None:
+                seconds = target(num_tokens, batch_size)
+                return None if seconds is None else seconds + host(batch_size, num_tokens)
+
+            return cost
+        return self._measured_verify_cost(batch_size)
+
+    def _measured_verify_cost(self, batch_size: int) -> Callable[[int], float | None]:
+        """Before start-up has measured the target (no calibration): whole iterations of
+        this batch size where they reach past plain decoding, or else the target call's
+        online curve where that does. Without either, extra tokens are priced at nothing,
+        so that one verify is tried and measured (extrapolating from plain decoding alone
+        would price each token as a whole row, and speculation would never start)."""
         measured = self.iterations.get((batch_size, None))
         for curve in (measured, self.target):
             if curve is not None and curve.reaches_past(batch_size):
@@ -676,13 +750,19 @@ class Economics:
         would blur the cost of a step)."""
         for call in calls:
             if call.kind == "target" and steady:
-                self.costs.target.observe(call.num_tokens, call.seconds, call.num_rows)
+                # Net of its widths, which are priced apart: a ragged verify's own calls
+                # would otherwise raise the level of every verify.
+                seconds = call.seconds - self.costs.widths(call.num_rows, call.num_widths)
+                self.costs.target.observe(call.num_tokens, seconds, call.num_rows)
             elif call.kind == "draft" and call.max_fed <= 2 and call.num_steps > 0:
                 self.costs.draft_step.observe(call.num_rows, call.seconds / call.num_steps)
 
-    def observe_iteration(self, shape: StepShape, seconds: float) -> None:
-        """A whole steady iteration, from its start to the next one's (StepTimer)."""
-        self.costs.observe_iteration(shape, seconds)
+    def observe_iteration(
+        self, shape: StepShape, seconds: float, engine_seconds: float = 0.0
+    ) -> None:
+        """A whole steady iteration, from its start to the next one's, and its engine
+        calls' share of that (StepTimer)."""
+        self.costs.observe_iteration(shape, seconds, engine_seconds)
         for planner in self.model_planners.values():
             planner.observe_iteration(shape, seconds)
 

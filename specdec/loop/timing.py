@@ -36,6 +36,7 @@ class EngineCall:
     num_steps: int  # the most steps one row asked for (draft: proposals; target: positions)
     seconds: float
     result_bytes: int
+    num_widths: int = 1  # distinct tokens fed per row (the engine runs an attention call each)
 
 
 class MeteredEngines:
@@ -64,6 +65,7 @@ class MeteredEngines:
                 num_tokens=len(batch.input_ids),
                 max_fed=int(batch.input_lengths.max(initial=0)),
                 num_steps=int(batch.num_steps.max(initial=0)),
+                num_widths=len(set(batch.input_lengths.tolist())),
                 seconds=self.clock() - start,
                 result_bytes=result.nbytes,
             )
@@ -81,6 +83,7 @@ class _Running:
     shape: StepShape
     start: float
     busy: float  # seconds inside step()
+    engine_seconds: float  # of its engine calls
 
 
 class StepTimer:
@@ -100,8 +103,9 @@ class StepTimer:
         start = self.clock()
         last, self._last = self._last, None
         if last is not None and start - last.start < IDLE_GAP * last.busy:
-            self.economics.observe_iteration(last.shape, start - last.start)
+            self.economics.observe_iteration(last.shape, start - last.start, last.engine_seconds)
         result = self.scheduler.step()
-        if result.shape is not None and self.scheduler.has_work:
-            self._last = _Running(result.shape, start, self.clock() - start)
+        if result.shape is not None and result.stats is not None and self.scheduler.has_work:
+            engines = result.stats.target_seconds + result.stats.draft_seconds
+            self._last = _Running(result.shape, start, self.clock() - start, engines)
         return result
