@@ -148,6 +148,31 @@ MUTANTS = [
         tests=ECONOMICS,
     ),
     Mutant(
+        "lookup-priced-point-by-point",
+        "a lookup's verify is priced by whole iterations as measured, though start-up has "
+        "measured the target (their many-token points go stale as contexts grow)",
+        "specdec/loop/economics.py",
+        "if self.target.calibrated:",
+        "if False:",
+        tests=ECONOMICS,
+    ),
+    Mutant(
+        "host-work-unpriced",
+        "a lookup's verify is priced by the target call alone, without the loop's own work",
+        "specdec/loop/economics.py",
+        "return None if seconds is None else seconds + host(batch_size, num_tokens)",
+        "return seconds",
+        tests=ECONOMICS,
+    ),
+    Mutant(
+        "ragged-call-raises-level",
+        "a ragged verify's widths are booked into the target's level as well as priced apart",
+        "specdec/loop/economics.py",
+        "seconds = call.seconds - self.costs.widths(call.num_rows, call.num_widths)",
+        "seconds = call.seconds",
+        tests=ECONOMICS,
+    ),
+    Mutant(
         "cold-prior-weight",
         "the draft's cold prior weighs one verdict instead of half a probe's",
         "specdec/loop/economics.py",
