@@ -133,7 +133,8 @@ def simulate(model, batch_size, alpha, draft_step, iterations=300, hidden=0.0, p
             )
         model.observe_calls(calls, steady=True)
         shape = StepShape(batch_size, tokens, len(set(row_ks)), max(drafting) if drafting else None)
-        model.observe_iteration(shape, target + draft + (hidden if drafting else 0.0))
+        seconds = target + draft + (hidden if drafting else 0.0)
+        model.observe_iteration(shape, seconds, target + draft)  # hidden: the glue's work
         for k in row_ks:
             accepted = 0
             while accepted < k and rng.random() < alpha:
@@ -249,7 +250,7 @@ def test_a_modelled_k_is_compared_with_a_modelled_k_zero():
             ],
             steady=True,
         )
-        model.observe_iteration(StepShape(1, 1, 1, None), 0.044)
+        model.observe_iteration(StepShape(1, 1, 1, None), 0.044, 0.033)
         for accepted in (1, 0) * 5:
             model.observe_verdict("draft", 0, 1, accepted)
         model.end_step([])

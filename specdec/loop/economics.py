@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from specdec.loop.calibration import Calibration
@@ -69,6 +69,15 @@ LONGER_K_MARGIN = 1.03
 PROBE_EVERY = 16
 # ...and as many more as keep the probes' extra cost within this share of plain decoding.
 PROBE_BUDGET = 0.01
+
+
+Key = TypeVar("Key")
+
+
+def update_average(averages: dict[Key, float], key: Key, value: float) -> None:
+    """A running average at `key` (a new value weighs EMA_WEIGHT), started at its first."""
+    previous = averages.get(key)
+    averages[key] = value if previous is None else previous + EMA_WEIGHT * (value - previous)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -127,12 +136,7 @@ class CostCurve:
             self._add(size, seconds, EMA_WEIGHT)
             return
         rows = rows or size
-        extra = (seconds - shape) / rows
-        bucket = batch_bucket(rows)
-        previous = self.extra_per_row.get(bucket)
-        self.extra_per_row[bucket] = (
-            extra if previous is None else previous + EMA_WEIGHT * (extra - previous)
-        )
+        update_average(self.extra_per_row, batch_bucket(rows), (seconds - shape) / rows)
 
     def replace(self, size: int, seconds: float) -> None:
         """A measurement that starts the point's average afresh (its old one went stale)."""
@@ -275,16 +279,10 @@ class HostCost:
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         plain = self.plain.get(rows)
         if tokens <= rows:
-            self.plain[rows] = seconds if plain is None else plain + EMA_WEIGHT * (seconds - plain)
+            update_average(self.plain, rows, seconds)
         elif plain is not None:
-            for averages, value in (
-                (self.extra_seconds, seconds - plain),
-                (self.extra_tokens, float(tokens - rows)),
-            ):
-                previous = averages.get(rows)
-                averages[rows] = (
-                    value if previous is None else previous + EMA_WEIGHT * (value - previous)
-                )
+            update_average(self.extra_seconds, rows, seconds - plain)
+            update_average(self.extra_tokens, rows, float(tokens - rows))
 
     def estimate(self, rows: int, tokens: int) -> float:
         """Seconds; 0 where nothing was measured near this many rows."""
@@ -497,9 +495,9 @@ class ModelPlanner:
             return
         modelled = self._modelled_cost(k, shape.batch_size, [])
         if modelled:
-            key = (batch_bucket(shape.batch_size), k)
-            previous = self.model_error.get(key, seconds / modelled)
-            self.model_error[key] = previous + EMA_WEIGHT * (seconds / modelled - previous)
+            update_average(
+                self.model_error, (batch_bucket(shape.batch_size), k), seconds / modelled
+            )
 
     def end_step(self, drafted: bool) -> None:
         """`drafted`: the model was called this step (a catch-up too)."""
@@ -757,9 +755,7 @@ class Economics:
             elif call.kind == "draft" and call.max_fed <= 2 and call.num_steps > 0:
                 self.costs.draft_step.observe(call.num_rows, call.seconds / call.num_steps)
 
-    def observe_iteration(
-        self, shape: StepShape, seconds: float, engine_seconds: float = 0.0
-    ) -> None:
+    def observe_iteration(self, shape: StepShape, seconds: float, engine_seconds: float) -> None:
         """A whole steady iteration, from its start to the next one's, and its engine
         calls' share of that (StepTimer)."""
         self.costs.observe_iteration(shape, seconds, engine_seconds)
